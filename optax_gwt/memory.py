@@ -1,0 +1,67 @@
+"""How many bytes an optimizer state takes, in total and per parameter."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import optax
+
+__all__ = ["StateBytes", "optimizer_state_bytes", "tree_bytes"]
+
+
+class StateBytes(NamedTuple):
+    """Optimizer-state sizes in bytes.
+
+    Attributes:
+      total: bytes of every array in the state.
+      per_param: a pytree shaped like the params: the bytes of the state arrays
+        that belong to each parameter (their path in the state ends with the
+        parameter's path, as in ``state.mu["layer"]["kernel"]``).
+      shared: bytes not attributed to any parameter (step counters, schedules).
+    """
+
+    total: int
+    per_param: Any
+    shared: int
+
+
+def tree_bytes(tree: Any) -> int:
+    """Bytes of all arrays (or `jax.ShapeDtypeStruct`s) in a pytree."""
+    return int(sum(np.prod(x.shape, dtype=np.int64) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree)))
+
+
+def optimizer_state_bytes(optimizer: optax.GradientTransformation, params: Any) -> StateBytes:
+    """Sizes the state of ``optimizer.init(params)`` without allocating it.
+
+    Args:
+      optimizer: any Optax transformation.
+      params: the params, or their `jax.ShapeDtypeStruct`s.
+
+    Returns:
+      A `StateBytes`. Compare with ``optimizer_state_bytes(optax.adam(1e-3), params)``
+      to see GWT's saving.
+    """
+    state = jax.eval_shape(optimizer.init, params)
+    param_paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    per = [0] * len(param_paths)
+    shared = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        nbytes = tree_bytes(leaf)
+        owner = _owner(path, param_paths)
+        if owner is None:
+            shared += nbytes
+        else:
+            per[owner] += nbytes
+    treedef = jax.tree_util.tree_structure(params)
+    return StateBytes(total=sum(per) + shared, per_param=treedef.unflatten(per), shared=shared)
+
+
+def _owner(path: tuple, param_paths: list[tuple]) -> int | None:
+    """Index of the longest parameter path that `path` ends with (None for scalars of no one)."""
+    best, best_len = None, 0
+    for i, p in enumerate(param_paths):
+        if 0 < len(p) <= len(path) and tuple(path[-len(p):]) == tuple(p) and len(p) > best_len:
+            best, best_len = i, len(p)
+    return best

@@ -1,0 +1,650 @@
+"""GWT: the Gradient Wavelet Transform as Optax gradient transformations.
+
+Wen et al., "Breaking Memory Limits: Gradient Wavelet Transform Enhances LLMs
+Training", arXiv 2501.07237. For a transformed matrix with gradient ``G`` (length
+``n`` along the transform axis) at step ``t``:
+
+1. ``[A, D_l, ..., D_1] = wavedec(G, wavelet, level, mode)`` along the axis;
+2. the base optimizer runs on ``A`` only (with Adam: ``m``, ``v`` have A's shape,
+   ``denom = sqrt(v) + eps``, ``N = m / denom``);
+3. a norm-growth limiter ``lam = max(||N|| / (r_prev + 1e-8), gamma) / gamma``
+   (``lam = 1`` on step 1), ``N <- N / lam``, ``r_prev <- ||N||``;
+4. the details are rescaled (rule ``"adam"``: each divided by the denominator of
+   its approximation coefficient and by ``lam``, coarsest first, the
+   denominator repeated in place twice per level);
+5. ``U = scale * waverec([N, D_l, ..., D_1])[:n]``;
+6. with the built-in Adam the whole update is multiplied by
+   ``sqrt(1 - b2^t) / (1 - b1^t)``.
+
+The optimizer state of a transformed matrix has ``1 / 2^level`` of its size
+along the axis. For Haar, steps 1-5 collapse to a closed form on blocks of
+``B = 2^level`` samples: with ``mu`` the block means (zero-padded),
+``U = scale * ((G - mu) * w + N / sqrt(B))`` where ``w`` is the per-block detail
+factor of step 4 and everything is broadcast over its block; that form is used
+whenever it is exact (zero mode, or ``B`` divides ``n``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_gwt import wavelets
+
+__all__ = [
+    "DETAIL_RULES",
+    "STATIC_ARGS",
+    "GWTState",
+    "WaveletProjection",
+    "Projected",
+    "wavelet_project",
+    "wavelet_inverse",
+    "scale_by_gwt",
+    "scale_by_reference_adam",
+    "gwt_adamw",
+]
+
+DETAIL_RULES = ("auto", "adam", "norm_ratio", "zero")
+#: Arguments of `gwt_adamw` / `scale_by_gwt` that fix shapes: pass them as
+#: ``optax.inject_hyperparams(gwt_adamw, static_args=STATIC_ARGS)``.
+STATIC_ARGS = ("level", "axis", "min_dim_size", "wavelet", "mode")
+
+AxisSpec = Union[None, int, Callable[[tuple, jax.Array], Optional[int]], Any]
+MaskSpec = Union[None, Any, Callable[[Any], Any]]
+
+
+# ---------------------------------------------------------------------------
+# Which parameters are transformed, along which axis.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _LeafSpec:
+    """How one array is transformed: static, hashable."""
+
+    path: str
+    axis: int
+    length: int
+    level: int
+    wavelet: str
+    mode: str
+
+    @property
+    def block(self) -> int:
+        return 2**self.level
+
+    @property
+    def closed_form(self) -> bool:
+        """Haar with no boundary effect: the block formula is exact."""
+        return self.wavelet == "haar" and (self.mode == "zero" or self.length % self.block == 0)
+
+    def approx_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        n = wavelets.coeff_lengths(self.length, self.wavelet, self.level, self.mode)[0]
+        return tuple(shape[: self.axis]) + (n,) + tuple(shape[self.axis + 1 :])
+
+
+def _is_array_like(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+@dataclasses.dataclass(frozen=True)
+class WaveletProjection:
+    """Which arrays of a pytree are wavelet-transformed, and how.
+
+    Attributes:
+      level: number of DWT levels (>= 1); the optimizer state of a transformed
+        array keeps ``1 / 2^level`` of it along the axis.
+      wavelet: PyWavelets name: ``"haar"``, ``"dbN"``, ``"symN"``, ``"coifN"``.
+      mode: boundary mode (see `optax_gwt.wavelets.MODES`).
+      axis: the transform axis. An int applies to every array of rank >= 2
+        (default 0: the input axis of a Flax kernel, ``(in, out)``, which is
+        the axis the authors transform in PyTorch's ``(out, in)`` layout, and on
+        CPU the fast one since a block is made of whole rows). Or a pytree
+        (prefix) of ints / None matching the params, or a callable
+        ``(path, array) -> int | None``; None leaves the array untransformed.
+      mask: optional pytree of bools (or callable params -> pytree) choosing the
+        arrays that may be transformed, on top of `axis`.
+      min_dim_size: arrays shorter than this along the axis are left to the base
+        optimizer at full size. None (default): every selected array is
+        transformed, and an axis too short for `level` is an error.
+    """
+
+    level: int = 2
+    wavelet: str = "haar"
+    mode: str = "zero"
+    axis: AxisSpec = 0
+    mask: MaskSpec = None
+    min_dim_size: Optional[int] = None
+
+    def __post_init__(self):
+        if isinstance(self.level, bool) or not isinstance(self.level, (int, np.integer)):
+            raise TypeError(
+                f"level must be a static Python int, got {self.level!r}; with "
+                "optax.inject_hyperparams pass static_args=optax_gwt.STATIC_ARGS"
+            )
+        if self.level < 1:
+            raise ValueError(f"level must be >= 1, got {self.level}")
+        wavelets.get_wavelet(self.wavelet)
+        wavelets._check_mode(self.mode)
+        if self.min_dim_size is not None and not isinstance(self.min_dim_size, (int, np.integer)):
+            raise TypeError(f"min_dim_size must be a static int or None, got {self.min_dim_size!r}")
+
+    def leaf_specs(self, tree: Any) -> tuple[list[Optional[_LeafSpec]], Any]:
+        """Per leaf of `tree` (flattened order), its `_LeafSpec` or None; and the treedef.
+
+        Raises:
+          ValueError / TypeError naming the leaf's path for an axis out of range,
+          a level too deep for the axis, or a dtype that cannot be optimized.
+        """
+        leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        axes = self._axes(tree, treedef)
+        selected = self._mask(tree, treedef)
+        specs = []
+        for (path, leaf), axis, sel in zip(leaves_with_path, axes, selected):
+            name = jax.tree_util.keystr(path)
+            if not _is_array_like(leaf):
+                raise TypeError(f"{name}: expected an array, got {type(leaf).__name__}")
+            dtype = jnp.dtype(leaf.dtype)
+            if not jnp.issubdtype(dtype, jnp.inexact):
+                raise TypeError(f"{name}: GWT optimizes floating-point arrays only, got dtype {dtype}")
+            if axis is None or not sel or leaf.ndim == 0:
+                specs.append(None)
+                continue
+            if jnp.issubdtype(dtype, jnp.complexfloating):
+                raise TypeError(f"{name}: complex arrays cannot be wavelet-transformed (dtype {dtype})")
+            if not isinstance(axis, (int, np.integer)) or not -leaf.ndim <= axis < leaf.ndim:
+                raise ValueError(f"{name}: transform axis {axis!r} is out of range for shape {tuple(leaf.shape)}")
+            axis = int(axis) % leaf.ndim
+            n = int(leaf.shape[axis])
+            if self.min_dim_size is not None and n < self.min_dim_size:
+                specs.append(None)
+                continue
+            max_level = wavelets.dwt_max_level(n, self.wavelet)
+            if self.level > max_level:
+                raise ValueError(
+                    f"{name}: level {self.level} is too deep for length {n} along axis {axis} with "
+                    f"wavelet {self.wavelet!r} (at most {max_level}); lower the level, or leave such "
+                    "arrays to the base optimizer with min_dim_size, mask or axis."
+                )
+            specs.append(_LeafSpec(name, axis, n, self.level, self.wavelet, self.mode))
+        return specs, treedef
+
+    def _axes(self, tree, treedef) -> list:
+        leaves_with_path = jax.tree_util.tree_flatten_with_path(tree)[0]
+        if self.axis is None or isinstance(self.axis, (int, np.integer)):
+            return [None if self.axis is None or getattr(l, "ndim", 0) < 2 else self.axis for _, l in leaves_with_path]
+        if callable(self.axis):
+            return [self.axis(p, l) for p, l in leaves_with_path]
+        return _broadcast_prefix(self.axis, tree, "axis")
+
+    def _mask(self, tree, treedef) -> list:
+        if self.mask is None:
+            return [True] * treedef.num_leaves
+        mask = self.mask(tree) if callable(self.mask) else self.mask
+        return [bool(m) for m in _broadcast_prefix(mask, tree, "mask")]
+
+
+def _broadcast_prefix(prefix, tree, what: str) -> list:
+    """The value of `prefix` that covers each leaf of `tree`, in flattened order."""
+    try:
+        per = jax.tree_util.tree_map(
+            lambda p, sub: _Leaf([p] * len(jax.tree_util.tree_leaves(sub))),
+            prefix,
+            tree,
+            is_leaf=lambda x: x is None,
+        )
+    except ValueError as e:
+        raise ValueError(f"{what} must be a pytree prefix of the params: {e}") from None
+    out = []
+    for leaf in jax.tree_util.tree_leaves(per, is_leaf=lambda x: isinstance(x, _Leaf)):
+        out.extend(leaf.value)
+    return out
+
+
+class _Leaf:
+    """Wraps a value so that pytree utilities treat it as one leaf."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+# ---------------------------------------------------------------------------
+# The two stages: projection to the approximation, and back.
+# ---------------------------------------------------------------------------
+
+
+class Projected(NamedTuple):
+    """A pytree split by `wavelet_project`.
+
+    Attributes:
+      approx: same structure as the input; a transformed leaf is replaced by its
+        approximation coefficients ``cA_level`` (shape `approx_shape`), the
+        others are kept whole.
+      details: same structure; a transformed leaf becomes the tuple
+        ``(cD_level, ..., cD_1)`` in PyWavelets' order, the others ``()``.
+    """
+
+    approx: Any
+    details: Any
+
+
+def wavelet_project(tree: Any, projection: WaveletProjection = WaveletProjection()) -> Projected:
+    """Stage 1 of GWT: the multi-level DWT of each selected array along its axis.
+
+    Args:
+      tree: a pytree of arrays (gradients or updates).
+      projection: which arrays are transformed, and how.
+
+    Returns:
+      A `Projected` with the approximation and detail coefficients.
+    """
+    specs, treedef = projection.leaf_specs(tree)
+    approx, details = [], []
+    for leaf, spec in zip(treedef.flatten_up_to(tree), specs):
+        if spec is None:
+            approx.append(leaf)
+            details.append(())
+            continue
+        coeffs = wavelets.wavedec(leaf, spec.wavelet, spec.mode, spec.level, spec.axis)
+        approx.append(coeffs[0])
+        details.append(tuple(coeffs[1:]))
+    return Projected(treedef.unflatten(approx), treedef.unflatten(details))
+
+
+def wavelet_inverse(projected: Projected, like: Any, projection: WaveletProjection = WaveletProjection()) -> Any:
+    """Stage 3 of GWT: the inverse DWT of `wavelet_project`'s output, cut to size.
+
+    Args:
+      projected: approximation and details, as `wavelet_project` returns them
+        (possibly changed by an optimizer in between).
+      like: the pytree that was projected, or its shapes
+        (`jax.ShapeDtypeStruct`), to know each array's length along the axis.
+      projection: the same projection as for `wavelet_project`.
+
+    Returns:
+      A pytree with the structure and shapes of `like`.
+    """
+    specs, treedef = projection.leaf_specs(like)
+    approx = treedef.flatten_up_to(projected.approx)
+    details = treedef.flatten_up_to(projected.details)
+    out = []
+    for a, d, spec in zip(approx, details, specs):
+        if spec is None:
+            out.append(a)
+            continue
+        full = wavelets.waverec([a, *d], spec.wavelet, spec.mode, spec.axis)
+        out.append(jax.lax.slice_in_dim(full, 0, spec.length, axis=spec.axis))
+    return treedef.unflatten(out)
+
+
+# ---------------------------------------------------------------------------
+# Per-leaf kernels of the combinator.
+# ---------------------------------------------------------------------------
+
+
+def _blocks(g: jax.Array, spec: _LeafSpec) -> jax.Array:
+    """Zero-pads the axis to a multiple of B and splits it: ``(..., n/B, B, ...)``."""
+    b = spec.block
+    padded = -(-spec.length // b) * b
+    if padded != spec.length:
+        pad = [(0, 0)] * g.ndim
+        pad[spec.axis] = (0, padded - spec.length)
+        g = jnp.pad(g, pad)
+    return g.reshape(g.shape[: spec.axis] + (padded // b, b) + g.shape[spec.axis + 1 :])
+
+
+def _project_leaf(g: jax.Array, spec: _LeafSpec) -> tuple[jax.Array, Any]:
+    """``(cA, rest)``: rest is the details tuple, or the blocks in closed form."""
+    if spec.closed_form:
+        blocks = _blocks(g, spec)
+        approx = jnp.sum(blocks, axis=spec.axis + 1) * jnp.asarray(1 / math.sqrt(spec.block), g.dtype)
+        return approx, blocks
+    coeffs = wavelets.wavedec(g, spec.wavelet, spec.mode, spec.level, spec.axis)
+    return coeffs[0], tuple(coeffs[1:])
+
+
+def _inverse_leaf(
+    approx_update: jax.Array, rest: Any, weight: Optional[jax.Array], spec: _LeafSpec, dtype
+) -> jax.Array:
+    """``waverec([approx_update, D_l * w, ..., D_1 * w])[:n]``, w repeated in place per level.
+
+    `weight` is per approximation coefficient (A's shape), a scalar, or None
+    (details dropped).
+    """
+    axis = spec.axis
+    if spec.closed_form:
+        blocks = rest
+        out = jnp.expand_dims(approx_update.astype(dtype) * jnp.asarray(1 / math.sqrt(spec.block), dtype), axis + 1)
+        if weight is not None:
+            mean = jnp.mean(blocks, axis=axis + 1, keepdims=True)
+            w = weight if jnp.ndim(weight) == 0 else jnp.expand_dims(weight, axis + 1)
+            out = out + (blocks - mean) * w.astype(dtype)
+        else:
+            out = jnp.broadcast_to(out, blocks.shape)
+        out = out.reshape(out.shape[:axis] + (-1,) + out.shape[axis + 2 :])
+        return jax.lax.slice_in_dim(out, 0, spec.length, axis=axis)
+    coeffs = [approx_update.astype(dtype)]
+    if weight is None:
+        coeffs += [None] * len(rest)
+    elif jnp.ndim(weight) == 0:
+        coeffs += [d * weight.astype(dtype) for d in rest]
+    else:
+        w = weight.astype(dtype)
+        for d in rest:
+            coeffs.append(d * jax.lax.slice_in_dim(w, 0, d.shape[axis], axis=axis))
+            w = jnp.repeat(w, 2, axis=axis)
+    full = wavelets.waverec(coeffs, spec.wavelet, spec.mode, axis)
+    return jax.lax.slice_in_dim(full, 0, spec.length, axis=axis)
+
+
+def _sq_norm(x: jax.Array) -> jax.Array:
+    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return jnp.sum(jnp.square(x))
+
+
+def _find_second_moment(state: Any, treedef) -> Any:
+    """The first ``nu`` field in a (nested) optimizer state whose tree matches `treedef`."""
+    if isinstance(state, tuple) and hasattr(state, "_fields") and "nu" in state._fields:
+        if jax.tree_util.tree_structure(state.nu) == treedef:
+            return state.nu
+    if isinstance(state, (tuple, list)):
+        children = state
+    elif isinstance(state, dict):
+        children = state.values()
+    else:
+        return None
+    for child in children:
+        found = _find_second_moment(child, treedef)
+        if found is not None:
+            return found
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Transformations.
+# ---------------------------------------------------------------------------
+
+
+def scale_by_reference_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    mu_dtype: Optional[Any] = None,
+    bias_correction: bool = True,
+) -> optax.GradientTransformation:
+    """Adam in the form of the GWT reference (Hugging Face's AdamW).
+
+    ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2`` and the output is
+    ``c_t * m / (sqrt(v) + eps)`` with ``c_t = sqrt(1 - b2^t) / (1 - b1^t)``
+    (``c_t = 1`` when `bias_correction` is False). It differs from
+    `optax.scale_by_adam` only in where eps enters: here it is added to the
+    uncorrected ``sqrt(v)`` (Kingma & Ba's "efficient" ordering). The state is
+    `optax.ScaleByAdamState`.
+    """
+    mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+
+    def init_fn(params):
+        mu = optax.tree.zeros_like(params, dtype=mu_dtype)
+        nu = optax.tree.zeros_like(params)
+        return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
+
+    def update_fn(updates, state, params=None):
+        del params
+        count = optax.safe_increment(state.count)
+        mu = optax.tree.update_moment(updates, state.mu, b1, 1)
+        nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
+        if bias_correction:
+            t = count.astype(jnp.float32)
+            factor = jnp.sqrt(1 - jnp.asarray(b2, jnp.float32) ** t) / (1 - jnp.asarray(b1, jnp.float32) ** t)
+        else:
+            factor = 1.0
+        out = jax.tree_util.tree_map(
+            lambda m, v, g: (factor * m / (jnp.sqrt(v) + eps)).astype(g.dtype), mu, nu, updates
+        )
+        mu = optax.tree.cast(mu, mu_dtype)
+        return out, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+class GWTState(NamedTuple):
+    """State of `scale_by_gwt`.
+
+    Attributes:
+      count: steps taken (int32 scalar).
+      base_state: the base optimizer's state, built on the approximation
+        coefficients (compressed shapes) of transformed arrays and on the
+        other arrays at full size.
+      norm_prev: per array, the float32 scalar ``r_prev`` of the norm-growth
+        limiter (unused, zero, for arrays that are not transformed).
+    """
+
+    count: jax.Array
+    base_state: optax.OptState
+    norm_prev: Any
+
+
+def scale_by_gwt(
+    base_optimizer: Optional[optax.GradientTransformation] = None,
+    *,
+    level: int = 2,
+    wavelet: str = "haar",
+    mode: str = "zero",
+    scale: float = 0.25,
+    norm_growth_limit: Optional[float] = 1.01,
+    detail_rule: str = "auto",
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    bias_correct_details: bool = True,
+    axis: AxisSpec = 0,
+    mask: MaskSpec = None,
+    min_dim_size: Optional[int] = None,
+    mu_dtype: Optional[Any] = None,
+) -> optax.GradientTransformation:
+    """The chain wavelet_project -> base optimizer -> wavelet_inverse, as one transform.
+
+    A plain `optax.chain` of three transforms cannot express GWT: its ``init``
+    hands the full-size params to every stage (the base state would be full
+    size), and the detail coefficients would have to be carried from the first
+    stage to the last in the state. This combinator initialises the base on the
+    approximation shapes and keeps the details as temporaries of one update.
+
+    Args:
+      base_optimizer: an Optax transformation that does not need params, run on
+        the approximation coefficients (and at full size on the arrays that are
+        not transformed). None (default): the reference Adam
+        (`scale_by_reference_adam` with `b1`, `b2`, `eps`, `mu_dtype`), whose
+        bias correction ``sqrt(1 - b2^t) / (1 - b1^t)`` then multiplies the whole
+        update (step 6 of the algorithm): with it this reproduces the authors'
+        WaveAdamW exactly.
+      level, wavelet, mode, axis, mask, min_dim_size: see `WaveletProjection`.
+      scale: alpha, the factor of the transformed arrays' update.
+      norm_growth_limit: gamma of the norm-growth limiter (None disables it).
+      detail_rule: what the detail coefficients become: ``"adam"`` (divided by
+        the Adam denominator of their approximation coefficient and by the
+        limiter; needs a second moment ``nu`` in the base state), ``"norm_ratio"``
+        (multiplied by ``||base output|| / ||A||``), ``"zero"`` (dropped: a pure
+        low-pass update), or ``"auto"``: ``"adam"`` when the base state holds a
+        ``nu`` of the approximation's shapes, else ``"norm_ratio"``.
+      b1, b2, eps: Adam's constants: those of the built-in base, and with a
+        given base and rule ``"adam"`` the ones used for the details'
+        denominator ``sqrt(nu / (1 - b2^t)) + eps`` and bias correction
+        ``1 / (1 - b1^t)`` (set them to the base's).
+      bias_correct_details: False applies Adam's ``1 / (1 - b1^t)`` to the
+        approximation's path only, not to the raw detail coefficients (the
+        reference multiplies both, which amplifies the first steps' high
+        frequencies by up to ``1 / (1 - b1)``). Only for rule ``"adam"``.
+      mu_dtype: dtype of the built-in Adam's first moment.
+
+    Returns:
+      An `optax.GradientTransformation` with state `GWTState`.
+    """
+    if detail_rule not in DETAIL_RULES:
+        raise ValueError(f"detail_rule must be one of {DETAIL_RULES}, got {detail_rule!r}")
+    projection = WaveletProjection(level, wavelet, mode, axis, mask, min_dim_size)
+    reference = base_optimizer is None
+    base = scale_by_reference_adam(b1, b2, eps, mu_dtype, bias_correction=False) if reference else base_optimizer
+
+    def approx_tree(tree):
+        specs, treedef = projection.leaf_specs(tree)
+        shapes = [
+            l if s is None else jax.ShapeDtypeStruct(s.approx_shape(l.shape), l.dtype)
+            for l, s in zip(treedef.flatten_up_to(tree), specs)
+        ]
+        return specs, treedef, shapes
+
+    def init_fn(params):
+        specs, treedef, shapes = approx_tree(params)
+        zeros = [l if s is None else jnp.zeros(a.shape, a.dtype) for l, s, a in zip(treedef.flatten_up_to(params), specs, shapes)]
+        base_state = base.init(treedef.unflatten(zeros))
+        norm_prev = treedef.unflatten([jnp.zeros([], jnp.float32) for _ in specs])
+        return GWTState(count=jnp.zeros([], jnp.int32), base_state=base_state, norm_prev=norm_prev)
+
+    def update_fn(updates, state, params=None):
+        del params
+        specs, treedef = projection.leaf_specs(updates)
+        state_treedef = jax.tree_util.tree_structure(state.norm_prev)
+        if treedef != state_treedef:
+            raise ValueError(
+                "scale_by_gwt: the updates do not match the optimizer state (initialised for another "
+                f"params tree).\n  updates: {treedef}\n  state:   {state_treedef}"
+            )
+        grads = treedef.flatten_up_to(updates)
+        count = optax.safe_increment(state.count)
+        projected = [(g, None) if s is None else _project_leaf(g, s) for g, s in zip(grads, specs)]
+        base_in = treedef.unflatten([p[0] for p in projected])
+        base_out, base_state = base.update(base_in, state.base_state, None)
+        base_out = treedef.flatten_up_to(base_out)
+
+        nu = _find_second_moment(base_state, treedef)
+        rule = detail_rule
+        if rule == "auto":
+            rule = "adam" if nu is not None and _shapes_match(nu, base_in) else "norm_ratio"
+        if rule == "adam":
+            if nu is None or not _shapes_match(nu, base_in):
+                raise ValueError(
+                    "detail_rule='adam' needs a second moment 'nu' with the approximation's shapes in the "
+                    "base optimizer's state (as optax.scale_by_adam has); use 'norm_ratio' or 'zero'."
+                )
+            nu = treedef.flatten_up_to(nu)
+
+        t = count.astype(jnp.float32)
+        bc1 = 1 - jnp.asarray(b1, jnp.float32) ** t
+        bc2 = 1 - jnp.asarray(b2, jnp.float32) ** t
+        step_factor = jnp.sqrt(bc2) / bc1 if reference else jnp.ones([], jnp.float32)
+        if reference:
+            detail_factor = step_factor if bias_correct_details else jnp.sqrt(bc2)
+        else:
+            detail_factor = 1 / bc1 if bias_correct_details else jnp.ones([], jnp.float32)
+        first = state.count == 0
+
+        out, norm_prev = [], []
+        for i, (g, spec, n_upd, r_prev) in enumerate(
+            zip(grads, specs, base_out, treedef.flatten_up_to(state.norm_prev))
+        ):
+            if spec is None:
+                out.append((n_upd * step_factor.astype(n_upd.dtype)) if reference else n_upd)
+                norm_prev.append(r_prev)
+                continue
+            approx, rest = projected[i]
+            if norm_growth_limit is None:
+                lam, new_r = jnp.ones([], jnp.float32), r_prev
+            else:
+                r = jnp.sqrt(_sq_norm(n_upd))
+                lam = jnp.where(first, 1.0, jnp.maximum(r / (r_prev + 1e-8), norm_growth_limit) / norm_growth_limit)
+                new_r = (r / lam).astype(jnp.float32)
+            n_upd = n_upd * (step_factor / lam).astype(n_upd.dtype)
+            if rule == "adam":
+                v = nu[i].astype(jnp.promote_types(nu[i].dtype, jnp.float32))
+                den = jnp.sqrt(v) + eps if reference else jnp.sqrt(v / bc2) + eps
+                weight = detail_factor / (den * lam)
+            elif rule == "norm_ratio":
+                a_norm = jnp.sqrt(_sq_norm(approx))
+                u_norm = jnp.sqrt(_sq_norm(n_upd))
+                weight = jnp.where(a_norm > 0, u_norm / jnp.where(a_norm > 0, a_norm, 1.0), 0.0)
+            else:
+                weight = None
+            u = _inverse_leaf(n_upd, rest, weight, spec, g.dtype)
+            out.append(u * jnp.asarray(scale, g.dtype))
+            norm_prev.append(new_r)
+        new_state = GWTState(count=count, base_state=base_state, norm_prev=treedef.unflatten(norm_prev))
+        return treedef.unflatten(out), new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _shapes_match(a: Any, b: Any) -> bool:
+    return [jnp.shape(x) for x in jax.tree_util.tree_leaves(a)] == [jnp.shape(x) for x in jax.tree_util.tree_leaves(b)]
+
+
+def gwt_adamw(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    mask: MaskSpec = None,
+    *,
+    level: int = 2,
+    wavelet: str = "haar",
+    mode: str = "zero",
+    scale: float = 0.25,
+    norm_growth_limit: Optional[float] = 1.01,
+    detail_rule: str = "auto",
+    bias_correct_details: bool = True,
+    axis: AxisSpec = 0,
+    wavelet_mask: MaskSpec = None,
+    min_dim_size: Optional[int] = None,
+    mu_dtype: Optional[Any] = None,
+) -> optax.GradientTransformation:
+    """GWT-AdamW, the optimizer of the paper (the authors' WaveAdamW).
+
+    ``p <- p - lr_t * (U + weight_decay * p)`` where ``U`` is `scale_by_gwt`'s
+    output with the reference Adam (every array of rank >= 2 transformed along
+    `axis`, the rest plain Adam with the same bias-corrected step). Weight
+    decay is decoupled and uses the full-size parameter before the step, as
+    `optax.adamw` does (the PyTorch original decays after the step, a
+    difference of order ``lr^2``).
+
+    Args:
+      learning_rate: a float or an Optax schedule.
+      b1, b2, eps: Adam's constants (eps is added to the uncorrected sqrt(v)).
+      weight_decay: decoupled weight decay.
+      mask: which params weight decay applies to (as in `optax.adamw`).
+      level, wavelet, mode, scale, norm_growth_limit, detail_rule,
+      bias_correct_details, axis, min_dim_size, mu_dtype: see `scale_by_gwt`.
+      wavelet_mask: which params may be transformed (`scale_by_gwt`'s mask).
+    """
+    stages = [
+        scale_by_gwt(
+            None,
+            level=level,
+            wavelet=wavelet,
+            mode=mode,
+            scale=scale,
+            norm_growth_limit=norm_growth_limit,
+            detail_rule=detail_rule,
+            b1=b1,
+            b2=b2,
+            eps=eps,
+            bias_correct_details=bias_correct_details,
+            axis=axis,
+            mask=wavelet_mask,
+            min_dim_size=min_dim_size,
+            mu_dtype=mu_dtype,
+        )
+    ]
+    if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
+        stages.append(optax.add_decayed_weights(weight_decay, mask))
+    stages.append(optax.scale_by_learning_rate(learning_rate))
+    return optax.chain(*stages)
