@@ -27,6 +27,7 @@ whenever it is exact (zero mode, or ``B`` divides ``n``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_gwt import wavelets
+from optax_gwt import kernels, wavelets
 
 __all__ = [
     "DETAIL_RULES",
@@ -113,7 +114,9 @@ class WaveletProjection:
         arrays that may be transformed, on top of `axis`.
       min_dim_size: arrays shorter than this along the axis are left to the base
         optimizer at full size. None (default): every selected array is
-        transformed, and an axis too short for `level` is an error.
+        transformed, and an axis too short for `level` is an error (too short:
+        fewer than ``2^level`` samples, or an approximation that would not be
+        shorter than the axis, as happens with long filters on short axes).
     """
 
     level: int = 2
@@ -166,11 +169,11 @@ class WaveletProjection:
             if self.min_dim_size is not None and n < self.min_dim_size:
                 specs.append(None)
                 continue
-            max_level = wavelets.dwt_max_level(n, self.wavelet)
-            if self.level > max_level:
+            if not _level_fits(n, self.level, self.wavelet, self.mode):
+                deepest = max([l for l in range(1, self.level) if _level_fits(n, l, self.wavelet, self.mode)], default=0)
                 raise ValueError(
                     f"{name}: level {self.level} is too deep for length {n} along axis {axis} with "
-                    f"wavelet {self.wavelet!r} (at most {max_level}); lower the level, or leave such "
+                    f"wavelet {self.wavelet!r} (at most {deepest}); lower the level, or leave such "
                     "arrays to the base optimizer with min_dim_size, mask or axis."
                 )
             specs.append(_LeafSpec(name, axis, n, self.level, self.wavelet, self.mode))
@@ -189,6 +192,11 @@ class WaveletProjection:
             return [True] * treedef.num_leaves
         mask = self.mask(tree) if callable(self.mask) else self.mask
         return [bool(m) for m in _broadcast_prefix(mask, tree, "mask")]
+
+
+def _level_fits(n: int, level: int, wavelet: str, mode: str) -> bool:
+    """A level fits a length when each level halves at least one sample and the state shrinks."""
+    return n >= 2**level and wavelets.coeff_lengths(n, wavelet, level, mode)[0] < n
 
 
 def _broadcast_prefix(prefix, tree, what: str) -> list:
@@ -291,23 +299,11 @@ def wavelet_inverse(projected: Projected, like: Any, projection: WaveletProjecti
 # ---------------------------------------------------------------------------
 
 
-def _blocks(g: jax.Array, spec: _LeafSpec) -> jax.Array:
-    """Zero-pads the axis to a multiple of B and splits it: ``(..., n/B, B, ...)``."""
-    b = spec.block
-    padded = -(-spec.length // b) * b
-    if padded != spec.length:
-        pad = [(0, 0)] * g.ndim
-        pad[spec.axis] = (0, padded - spec.length)
-        g = jnp.pad(g, pad)
-    return g.reshape(g.shape[: spec.axis] + (padded // b, b) + g.shape[spec.axis + 1 :])
-
-
 def _project_leaf(g: jax.Array, spec: _LeafSpec) -> tuple[jax.Array, Any]:
-    """``(cA, rest)``: rest is the details tuple, or the blocks in closed form."""
+    """``(cA, rest)``: rest is the details tuple, or ``(g, cA)`` in closed form."""
     if spec.closed_form:
-        blocks = _blocks(g, spec)
-        approx = jnp.sum(blocks, axis=spec.axis + 1) * jnp.asarray(1 / math.sqrt(spec.block), g.dtype)
-        return approx, blocks
+        approx = kernels.block_sums(g, spec.axis, spec.block) * jnp.asarray(1 / math.sqrt(spec.block), g.dtype)
+        return approx, (g, approx)
     coeffs = wavelets.wavedec(g, spec.wavelet, spec.mode, spec.level, spec.axis)
     return coeffs[0], tuple(coeffs[1:])
 
@@ -322,16 +318,18 @@ def _inverse_leaf(
     """
     axis = spec.axis
     if spec.closed_form:
-        blocks = rest
-        out = jnp.expand_dims(approx_update.astype(dtype) * jnp.asarray(1 / math.sqrt(spec.block), dtype), axis + 1)
-        if weight is not None:
-            mean = jnp.mean(blocks, axis=axis + 1, keepdims=True)
-            w = weight if jnp.ndim(weight) == 0 else jnp.expand_dims(weight, axis + 1)
-            out = out + (blocks - mean) * w.astype(dtype)
-        else:
-            out = jnp.broadcast_to(out, blocks.shape)
-        out = out.reshape(out.shape[:axis] + (-1,) + out.shape[axis + 2 :])
-        return jax.lax.slice_in_dim(out, 0, spec.length, axis=axis)
+        # (G - mean) * w + N / sqrt(B) = G * w + (N - A * w) / sqrt(B), per block:
+        # one full-size multiply-add of G with two per-block values.
+        g, approx = rest
+        s = jnp.asarray(1 / math.sqrt(spec.block), dtype)
+        n_upd = approx_update.astype(dtype)
+        if weight is None:
+            return kernels.repeat_blocks(n_upd * s, axis, spec.block, spec.length)
+        w = weight.astype(dtype)
+        offset = (n_upd - approx * w) * s
+        if jnp.ndim(w) != 0:
+            w = kernels.repeat_blocks(w, axis, spec.block, spec.length)
+        return g * w + kernels.repeat_blocks(offset, axis, spec.block, spec.length)
     coeffs = [approx_update.astype(dtype)]
     if weight is None:
         coeffs += [None] * len(rest)
@@ -347,8 +345,7 @@ def _inverse_leaf(
 
 
 def _sq_norm(x: jax.Array) -> jax.Array:
-    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    return jnp.sum(jnp.square(x))
+    return jnp.sum(jnp.square(x.astype(_scalar_dtype(x))))
 
 
 def _find_second_moment(state: Any, treedef) -> Any:
@@ -403,8 +400,9 @@ def scale_by_reference_adam(
         mu = optax.tree.update_moment(updates, state.mu, b1, 1)
         nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
         if bias_correction:
-            t = count.astype(jnp.float32)
-            factor = jnp.sqrt(1 - jnp.asarray(b2, jnp.float32) ** t) / (1 - jnp.asarray(b1, jnp.float32) ** t)
+            dt = _scalar_dtype(updates)
+            t = count.astype(dt)
+            factor = jnp.sqrt(1 - jnp.asarray(b2, dt) ** t) / (1 - jnp.asarray(b1, dt) ** t)
         else:
             factor = 1.0
         out = jax.tree_util.tree_map(
@@ -424,8 +422,8 @@ class GWTState(NamedTuple):
       base_state: the base optimizer's state, built on the approximation
         coefficients (compressed shapes) of transformed arrays and on the
         other arrays at full size.
-      norm_prev: per array, the float32 scalar ``r_prev`` of the norm-growth
-        limiter (unused, zero, for arrays that are not transformed).
+      norm_prev: per array, the scalar ``r_prev`` of the norm-growth limiter
+        (float32, or float64 for float64 params) (unused, zero, for arrays that are not transformed).
     """
 
     count: jax.Array
@@ -507,7 +505,7 @@ def scale_by_gwt(
         specs, treedef, shapes = approx_tree(params)
         zeros = [l if s is None else jnp.zeros(a.shape, a.dtype) for l, s, a in zip(treedef.flatten_up_to(params), specs, shapes)]
         base_state = base.init(treedef.unflatten(zeros))
-        norm_prev = treedef.unflatten([jnp.zeros([], jnp.float32) for _ in specs])
+        norm_prev = treedef.unflatten([jnp.zeros([], _scalar_dtype(l)) for l in treedef.flatten_up_to(params)])
         return GWTState(count=jnp.zeros([], jnp.int32), base_state=base_state, norm_prev=norm_prev)
 
     def update_fn(updates, state, params=None):
@@ -538,14 +536,16 @@ def scale_by_gwt(
                 )
             nu = treedef.flatten_up_to(nu)
 
-        t = count.astype(jnp.float32)
-        bc1 = 1 - jnp.asarray(b1, jnp.float32) ** t
-        bc2 = 1 - jnp.asarray(b2, jnp.float32) ** t
-        step_factor = jnp.sqrt(bc2) / bc1 if reference else jnp.ones([], jnp.float32)
+        dt = _scalar_dtype(updates)
+        t = count.astype(dt)
+        bc1 = 1 - jnp.asarray(b1, dt) ** t
+        bc2 = 1 - jnp.asarray(b2, dt) ** t
+        one = jnp.ones([], dt)
+        step_factor = jnp.sqrt(bc2) / bc1 if reference else one
         if reference:
             detail_factor = step_factor if bias_correct_details else jnp.sqrt(bc2)
         else:
-            detail_factor = 1 / bc1 if bias_correct_details else jnp.ones([], jnp.float32)
+            detail_factor = 1 / bc1 if bias_correct_details else one
         first = state.count == 0
 
         out, norm_prev = [], []
@@ -558,14 +558,14 @@ def scale_by_gwt(
                 continue
             approx, rest = projected[i]
             if norm_growth_limit is None:
-                lam, new_r = jnp.ones([], jnp.float32), r_prev
+                lam, new_r = one, r_prev
             else:
                 r = jnp.sqrt(_sq_norm(n_upd))
                 lam = jnp.where(first, 1.0, jnp.maximum(r / (r_prev + 1e-8), norm_growth_limit) / norm_growth_limit)
-                new_r = (r / lam).astype(jnp.float32)
+                new_r = (r / lam).astype(r_prev.dtype)
             n_upd = n_upd * (step_factor / lam).astype(n_upd.dtype)
             if rule == "adam":
-                v = nu[i].astype(jnp.promote_types(nu[i].dtype, jnp.float32))
+                v = nu[i].astype(_scalar_dtype(nu[i]))
                 den = jnp.sqrt(v) + eps if reference else jnp.sqrt(v / bc2) + eps
                 weight = detail_factor / (den * lam)
             elif rule == "norm_ratio":

@@ -243,6 +243,8 @@ def dwt(x: jax.Array, wavelet: str = "haar", mode: str = "zero", axis: int = -1)
     n = x.shape[axis]
     if n < 1:
         raise ValueError("cannot transform an empty axis")
+    if n < 2 and mode in ("reflect", "antireflect"):
+        raise ValueError(f"mode {mode!r} needs a length of at least 2 along the axis, got {n}")
     f = w.length
     if mode == "periodization" and n % 2:
         # PyWavelets makes an odd signal even by repeating its last sample.
