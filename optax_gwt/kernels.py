@@ -1,0 +1,58 @@
+"""Block sums and block repeats: the full-size array math of Haar GWT.
+
+With Haar, ``level`` DWT levels along an axis reduce to blocks of
+``B = 2^level`` consecutive samples: the approximation is each block's sum over
+``sqrt(B)``, and the inverse of an update that is constant per block (plus the
+rescaled details) repeats a per-block value ``B`` times in place. These helpers
+express both as strided slices and a broadcast that XLA fuses into the
+neighbouring elementwise work, so that a GWT step reads each full-size array at
+most twice and writes no full-size temporary. (A reshape to ``(n / B, B, ...)``
+with a reduction or a broadcast along the middle axis computes the same values
+but compiles, on XLA CPU, to a separate reduction pass and a slow strided loop.)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["block_sums", "repeat_blocks"]
+
+
+def block_sums(x: jax.Array, axis: int, block: int) -> jax.Array:
+    """Sums of consecutive blocks of `block` entries along `axis`.
+
+    Args:
+      x: any array; its length ``n`` along `axis` is zero-padded to a multiple
+        of `block`.
+      axis: a non-negative axis of `x`.
+      block: the block length ``B``.
+
+    Returns:
+      An array shaped like `x` with ``ceil(n / B)`` along `axis`: entry ``i`` is
+      ``sum(x[i * B : (i + 1) * B])`` along that axis.
+    """
+    n = x.shape[axis]
+    padded = -(-n // block) * block
+    if padded != n:
+        pad = [(0, 0, 0)] * x.ndim
+        pad[axis] = (0, padded - n, 0)
+        x = jax.lax.pad(x, jnp.zeros([], x.dtype), pad)
+    parts = [jax.lax.slice_in_dim(x, k, padded, stride=block, axis=axis) for k in range(block)]
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+def repeat_blocks(x: jax.Array, axis: int, block: int, length: int) -> jax.Array:
+    """Each entry of `x` along `axis` repeated `block` times in place, cut to `length`.
+
+    The inverse layout of `block_sums`: for ``x`` with ``ceil(length / B)``
+    entries along `axis`, returns an array with `length` entries along it whose
+    entry ``j`` is ``x[j // B]``.
+    """
+    out = jnp.repeat(x, block, axis=axis, total_repeat_length=x.shape[axis] * block)
+    if out.shape[axis] != length:
+        out = jax.lax.slice_in_dim(out, 0, length, axis=axis)
+    return out
