@@ -1,0 +1,179 @@
+"""Parameter groups and the optimizers of the comparison, as Optax transformations.
+
+The paper's modular learning rates: the attention and MLP matrices (the
+"matrix" group, chosen by parameter path) are trained by GWT (or GaLore, or
+AdamW in the `adamw-modular` baseline) at an effective step ``lr * alpha``;
+embeddings, norms and the output head (the "other" group) by AdamW at ``lr``;
+both under one cosine schedule with linear warm-up.
+
+How ``lr * alpha`` is applied: the authors' WaveAdamW gives both parameter
+groups the same ``lr`` and multiplies the matrices' update by ``scale = alpha``
+inside the step. `optax_gwt.gwt_adamw` and `optax.contrib.galore` do the same
+(their ``scale`` multiplies the update), so the matrix group gets
+``learning_rate=schedule(lr), scale=alpha`` -- NOT a learning rate of
+``lr * alpha`` on top of ``scale=alpha``, which would apply alpha twice. Only the
+plain-AdamW modular baseline has no ``scale``; it gets ``schedule(lr * alpha)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import optax
+
+import optax_gwt
+
+__all__ = [
+    "DEFAULT_LR",
+    "OPTIMIZERS",
+    "OptimizerConfig",
+    "galore_rank_matching",
+    "make_optimizer",
+    "param_labels",
+]
+
+#: Module names whose matrices form the "matrix" group (as in the authors' filter).
+MATRIX_MODULES = ("attn", "mlp")
+
+#: Peak learning rate per optimizer for the default (small) comparison; see the README.
+DEFAULT_LR = {
+    "adamw": 3e-3,
+    "adamw-modular": 1e-2,
+    "gwt": 1e-2,
+    "gwt-nobc": 1e-2,
+    "galore": 1e-2,
+    "adafactor": 1e-2,
+    "gwt-lion": 1e-2,
+}
+OPTIMIZERS = tuple(DEFAULT_LR)
+
+
+def _key_name(key) -> Any:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return getattr(key, attr)
+    return key
+
+
+def param_labels(params: Any) -> Any:
+    """``"matrix"`` for rank-2 arrays under an ``attn`` or ``mlp`` module, else ``"other"``.
+
+    Works on any params pytree (``nnx.State``, nested dicts): the label is a
+    function of the array's path, e.g. ``layers/0/attn/q_proj/kernel``.
+    """
+
+    def label(path, x):
+        names = {_key_name(k) for k in path}
+        return "matrix" if x.ndim == 2 and names & set(MATRIX_MODULES) else "other"
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
+class OptimizerConfig(dict):
+    """Keyword arguments of `make_optimizer` (a dict, so that it prints and serialises)."""
+
+
+def make_schedule(lr: float, steps: int, warmup_frac: float = 0.1, min_lr_ratio: float = 0.1) -> optax.Schedule:
+    """Linear warm-up from 0 over ``warmup_frac * steps``, cosine decay to ``min_lr_ratio * lr`` at `steps`."""
+    warmup = max(1, int(warmup_frac * steps))
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr * min_lr_ratio)
+
+
+def make_optimizer(
+    name: str,
+    params: Any,
+    *,
+    lr: Optional[float] = None,
+    steps: int,
+    alpha: float = 0.25,
+    level: int = 2,
+    wavelet: str = "haar",
+    warmup_frac: float = 0.1,
+    min_lr_ratio: float = 0.1,
+    weight_decay: float = 0.0,
+    galore_rank: Optional[int] = None,
+    galore_gap: int = 200,
+) -> optax.GradientTransformation:
+    """The named optimizer for `params` (only their shapes and paths are used).
+
+    Args:
+      name: one of `OPTIMIZERS`:
+        ``adamw``: one learning rate for everything (the paper's baseline);
+        ``adamw-modular``: AdamW with the modular learning rates;
+        ``gwt``: GWT-AdamW (`level`, `wavelet`) on the matrices, modular lrs;
+        ``gwt-nobc``: the same with ``bias_correct_details=False``;
+        ``galore``: `optax.contrib.galore` on the matrices, modular lrs;
+        ``adafactor``: `optax.adafactor` for everything;
+        ``gwt-lion``: `scale_by_gwt` with `optax.scale_by_lion` as the base on the matrices.
+      params: the model parameters (arrays or `jax.ShapeDtypeStruct`s).
+      lr: peak learning rate (None: `DEFAULT_LR[name]`).
+      steps: optimizer steps of the run (for the schedule).
+      alpha: the matrices' learning-rate factor (GWT/GaLore ``scale``).
+      galore_rank: GaLore's rank; None picks the largest rank whose state is no
+        bigger than GWT's at `level` (`galore_rank_matching`).
+      galore_gap: steps between GaLore's SVD projector updates.
+    """
+    if name not in DEFAULT_LR:
+        raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
+    lr = DEFAULT_LR[name] if lr is None else lr
+    sched = lambda peak: make_schedule(peak, steps, warmup_frac, min_lr_ratio)
+    adamw = lambda peak: optax.adamw(sched(peak), b1=0.9, b2=0.999, eps=1e-6, weight_decay=weight_decay)
+
+    if name == "adamw":
+        return adamw(lr)
+    if name == "adafactor":
+        # The authors' Adafactor: no parameter scaling, first moment 0.9, update clipping 1.
+        return optax.adafactor(sched(lr), multiply_by_parameter_scale=False, momentum=0.9, clipping_threshold=1.0)
+    if name == "adamw-modular":
+        matrix = adamw(lr * alpha)
+    elif name in ("gwt", "gwt-nobc"):
+        matrix = optax_gwt.gwt_adamw(
+            sched(lr),
+            weight_decay=weight_decay,
+            level=level,
+            wavelet=wavelet,
+            scale=alpha,
+            bias_correct_details=name == "gwt",
+        )
+    elif name == "galore":
+        rank = galore_rank or galore_rank_matching(params, level)
+        matrix = optax.contrib.galore(
+            sched(lr), rank=rank, update_proj_gap=galore_gap, scale=alpha, weight_decay=weight_decay
+        )
+    else:  # gwt-lion: Lion's sign update on the approximation; its details scaled by the norm ratio
+        matrix = optax.chain(
+            optax_gwt.scale_by_gwt(optax.scale_by_lion(), level=level, wavelet=wavelet, scale=alpha),
+            optax.add_decayed_weights(weight_decay),
+            optax.scale_by_learning_rate(sched(lr * LION_LR_RATIO)),
+        )
+    return optax.multi_transform({"matrix": matrix, "other": adamw(lr)}, param_labels)
+
+
+#: Lion's steps are sign(.) (RMS 1) where Adam's are smaller: the usual advice
+#: (Chen et al. 2023) is a 3-10x smaller learning rate. Applied to the matrices.
+LION_LR_RATIO = 0.1
+
+
+def matrix_state_bytes(optimizer: optax.GradientTransformation, params: Any) -> int:
+    """Bytes of `optimizer`'s state that belong to the "matrix" group's parameters."""
+    per = optax_gwt.optimizer_state_bytes(optimizer, params).per_param
+    return int(sum(b for b, l in zip(jax.tree.leaves(per), jax.tree.leaves(param_labels(params))) if l == "matrix"))
+
+
+def _modular(matrix: optax.GradientTransformation) -> optax.GradientTransformation:
+    return optax.multi_transform({"matrix": matrix, "other": optax.adamw(1.0)}, param_labels)
+
+
+def galore_rank_matching(params: Any, level: int = 2) -> int:
+    """The largest GaLore rank whose state on the matrix group is at most GWT's at `level`."""
+    budget = matrix_state_bytes(_modular(optax_gwt.gwt_adamw(1.0, level=level)), params)
+    labels = jax.tree.leaves(param_labels(params))
+    lo, hi = 1, max(min(x.shape) for x, l in zip(jax.tree.leaves(params), labels) if l == "matrix")
+    while lo < hi:  # the state grows with the rank: find the last rank within budget
+        mid = (lo + hi + 1) // 2
+        if matrix_state_bytes(_modular(optax.contrib.galore(1.0, rank=mid)), params) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
