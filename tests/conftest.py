@@ -1,4 +1,9 @@
 import jax
+import pytest
 
-# The reference comparisons run in float64; tests that want float32 ask for it.
-jax.config.update("jax_enable_x64", True)
+
+@pytest.fixture
+def x64():
+    """Runs a test with 64-bit floats (the reference comparisons are in float64)."""
+    with jax.enable_x64(True):
+        yield

@@ -7,6 +7,8 @@ import optax
 import pytest
 
 import optax_gwt
+
+pytestmark = pytest.mark.usefixtures("x64")
 from optax_gwt import transform
 from reference import ReferenceGWTAdamW
 

@@ -10,6 +10,8 @@ import pywt
 
 from optax_gwt import wavelets
 
+pytestmark = pytest.mark.usefixtures("x64")
+
 WAVELETS = ["haar", "db2", "db3", "sym4", "coif1"]
 LENGTHS = [1, 2, 3, 5, 8, 13, 32, 37]
 
