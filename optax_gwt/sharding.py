@@ -1,0 +1,214 @@
+"""Shardings of a GWT optimizer state, derived from the params' shardings.
+
+GWT needs no collective of its own: the wavelet transform of a matrix runs
+along one axis, so when the params are sharded along the *other* axes (data
+parallel, FSDP, tensor parallel), every device transforms its own rows or
+columns, and the compressed Adam moments can be sharded exactly like the
+parameter they belong to. This module computes those shardings, for
+``jax.jit(..., out_shardings=...)`` and for restoring checkpoints (Orbax), and
+chooses a transform axis that avoids the sharded ones.
+
+Layout rule, for every array of the state of ``optimizer.init(params)``:
+
+* an array that belongs to a parameter (its path in the state ends with the
+  parameter's path, as in ``state[0].base_state.mu["w"]``) and has the
+  parameter's rank gets the parameter's `PartitionSpec`;
+* along an axis where its length differs from the parameter's (the
+  compressed transform axis, ``ceil(n / 2^level)`` long for Haar) the mesh axes
+  are kept only if they divide that length; otherwise the state is replicated
+  along that axis (correct, but that axis then costs its full compressed size
+  on every device: make ``n / 2^level`` a multiple of the mesh axes' size, or
+  let `unsharded_axis` transform another axis);
+* everything else (step counts, the norm-growth limiter's scalars, schedules'
+  hyperparameters, states of other ranks) is replicated.
+
+When the transform axis itself is sharded, GWT stays correct (XLA partitions
+the transform). With Haar the block form needs no communication as long as
+each device holds whole blocks (``2^level`` divides the local length); other
+wavelets then exchange boundary samples between neighbouring devices. The
+norm-growth limiter always reduces one scalar per matrix across the devices
+that hold a piece of it (as a global gradient norm does).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Union
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from optax_gwt.memory import _owner
+
+__all__ = [
+    "state_partition_specs",
+    "state_shardings",
+    "unsharded_axis",
+    "per_device_bytes",
+]
+
+Mesh = Union[jax.sharding.Mesh, jax.sharding.AbstractMesh]
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, (PartitionSpec, NamedSharding))
+
+
+def _as_spec(x: Any) -> PartitionSpec:
+    if x is None:
+        return PartitionSpec()
+    if isinstance(x, NamedSharding):
+        return x.spec
+    if isinstance(x, PartitionSpec):
+        return x
+    raise TypeError(f"expected a PartitionSpec, NamedSharding or None, got {type(x).__name__}")
+
+
+def _mesh_size(entry: Any, mesh: Mesh) -> int:
+    """Number of devices a `PartitionSpec` entry splits an axis into."""
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+        return 1
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return math.prod(mesh.shape[name] for name in names)
+
+
+def _derive_spec(state_shape: tuple, param_shape: tuple, param_spec: PartitionSpec, mesh: Mesh) -> PartitionSpec:
+    if len(state_shape) != len(param_shape) or len(state_shape) == 0:
+        return PartitionSpec()
+    entries = tuple(param_spec) + (None,) * (len(param_shape) - len(param_spec))
+    out = []
+    for s, p, entry in zip(state_shape, param_shape, entries):
+        if s != p and s % _mesh_size(entry, mesh):
+            entry = None
+        out.append(entry)
+    while out and out[-1] is None:
+        out.pop()
+    return PartitionSpec(*out)
+
+
+def state_partition_specs(
+    optimizer: optax.GradientTransformation, params: Any, param_specs: Any, mesh: Mesh
+) -> Any:
+    """The `PartitionSpec` of every array of ``optimizer.init(params)``.
+
+    Works for any Optax state; GWT's compressed moments (also inside
+    `optax.chain`, `optax.multi_transform`, `optax.inject_hyperparams`) get
+    their parameter's spec, following the rule of the module docstring.
+
+    Args:
+      optimizer: e.g. `optax_gwt.gwt_adamw(...)` or a chain containing it.
+      params: the params, or their `jax.ShapeDtypeStruct`s (nothing is
+        allocated: the state is traced with `jax.eval_shape`).
+      param_specs: a pytree like `params` of `PartitionSpec` (or
+        `NamedSharding`, or None for replicated).
+      mesh: the `Mesh` or `AbstractMesh` the specs refer to (its axis sizes
+        decide whether a compressed axis can stay sharded).
+
+    Returns:
+      A pytree with the structure of the optimizer state, of `PartitionSpec`.
+    """
+    param_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    specs = [_as_spec(s) for s in treedef.flatten_up_to(param_specs)]
+    param_paths = [path for path, _ in param_leaves]
+    state = jax.eval_shape(optimizer.init, params)
+
+    def one(path, leaf):
+        owner = _owner(path, param_paths)
+        if owner is None:
+            return PartitionSpec()
+        return _derive_spec(tuple(leaf.shape), tuple(param_leaves[owner][1].shape), specs[owner], mesh)
+
+    return jax.tree_util.tree_map_with_path(one, state)
+
+
+def state_shardings(optimizer: optax.GradientTransformation, params: Any, param_shardings: Any = None) -> Any:
+    """The `NamedSharding` of every array of ``optimizer.init(params)``.
+
+    Use them as ``jax.jit(optimizer.init, out_shardings=...)``, as the state's
+    entry of a train step's ``in_shardings`` / ``out_shardings``, or to restore
+    a checkpoint onto a (possibly different) mesh.
+
+    Args:
+      optimizer: any Optax transformation (see `state_partition_specs`).
+      params: the params, or their `jax.ShapeDtypeStruct`s.
+      param_shardings: a pytree like `params` of `NamedSharding`, all on one
+        mesh. None: the shardings carried by `params` themselves (sharded
+        `jax.Array`s, or `ShapeDtypeStruct`s with a ``sharding``).
+
+    Returns:
+      A pytree with the structure of the optimizer state, of `NamedSharding`
+      on the params' mesh (replicated for scalars).
+    """
+    if param_shardings is None:
+        param_shardings = jax.tree_util.tree_map(lambda p: p.sharding, params)
+    flat = jax.tree_util.tree_structure(params).flatten_up_to(param_shardings)
+    meshes = {s.mesh for s in flat if isinstance(s, NamedSharding)}
+    if len(meshes) != 1:
+        raise ValueError(f"param_shardings must be NamedShardings on exactly one mesh, found {len(meshes)} meshes")
+    (mesh,) = meshes
+    specs = state_partition_specs(optimizer, params, param_shardings, mesh)
+    return jax.tree_util.tree_map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+
+
+def unsharded_axis(param_specs: Any, default: int = 0) -> Callable[[tuple, Any], Optional[int]]:
+    """An ``axis`` for `gwt_adamw` / `scale_by_gwt` that avoids sharded axes.
+
+    Every array of rank >= 2 is transformed along `default`, unless the
+    params' sharding splits that axis: then along its first axis that is not
+    sharded (so the transform never crosses devices); if all of its axes are
+    sharded, along `default` anyway (see the module docstring for the cost).
+    Arrays of rank < 2 are not transformed, as with an int ``axis``.
+
+    Args:
+      param_specs: a pytree like the params of `PartitionSpec` /
+        `NamedSharding` / None (replicated).
+      default: the preferred axis.
+
+    Returns:
+      A callable ``(path, array) -> int | None``, to pass as ``axis=``.
+    """
+    flat = jax.tree_util.tree_flatten_with_path(param_specs, is_leaf=_is_spec_leaf)[0]
+    by_path = {jax.tree_util.keystr(path): _as_spec(s) for path, s in flat}
+
+    def choose(path: tuple, array: Any) -> Optional[int]:
+        ndim = len(array.shape)
+        if ndim < 2:
+            return None
+        key = jax.tree_util.keystr(path)
+        if key not in by_path:
+            raise KeyError(f"unsharded_axis: no PartitionSpec for the parameter {key}")
+        spec = by_path[key]
+        entries = tuple(spec) + (None,) * (ndim - len(spec))
+        preferred = default % ndim
+        free = [d for d in range(ndim) if entries[d] is None]
+        if preferred in free or not free:
+            return preferred
+        return free[0]
+
+    return choose
+
+
+def per_device_bytes(tree: Any, specs: Any, mesh: Mesh) -> int:
+    """Bytes one device holds of `tree` laid out by `specs` on `mesh`.
+
+    Args:
+      tree: arrays or `jax.ShapeDtypeStruct`s (e.g. ``jax.eval_shape(opt.init, params)``).
+      specs: a pytree like `tree` of `PartitionSpec` (e.g. `state_partition_specs`).
+      mesh: a `Mesh` or `AbstractMesh`; an axis split unevenly counts its
+        largest shard.
+
+    Returns:
+      The sum over arrays of the shard size times the item size.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    total = 0
+    for leaf, spec in zip(leaves, treedef.flatten_up_to(specs)):
+        spec = _as_spec(spec)
+        entries = tuple(spec) + (None,) * (len(leaf.shape) - len(spec))
+        shard = [-(-n // _mesh_size(e, mesh)) for n, e in zip(leaf.shape, entries)]
+        total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
+    return int(total)
