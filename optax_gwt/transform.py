@@ -344,6 +344,16 @@ def _inverse_leaf(
     return jax.lax.slice_in_dim(full, 0, spec.length, axis=axis)
 
 
+def _scalar_dtype(tree: Any) -> np.dtype:
+    """The real dtype of the optimizer's scalars: float32, or float64 if the arrays hold it."""
+    dtype = np.dtype(np.float32)
+    for leaf in jax.tree_util.tree_leaves(tree):
+        leaf_dtype = jnp.dtype(leaf.dtype)
+        if jnp.issubdtype(leaf_dtype, jnp.inexact):
+            dtype = jnp.promote_types(dtype, jnp.finfo(leaf_dtype).dtype)
+    return dtype
+
+
 def _sq_norm(x: jax.Array) -> jax.Array:
     return jnp.sum(jnp.square(x.astype(_scalar_dtype(x))))
 
