@@ -299,8 +299,17 @@ def wavelet_inverse(projected: Projected, like: Any, projection: WaveletProjecti
 # ---------------------------------------------------------------------------
 
 
+def _compute_dtype(dtype) -> np.dtype:
+    """float32 for half-precision arrays (bfloat16, float16), else the dtype itself."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def _project_leaf(g: jax.Array, spec: _LeafSpec) -> tuple[jax.Array, Any]:
-    """``(cA, rest)``: rest is the details tuple, or ``(g, cA)`` in closed form."""
+    """``(cA, rest)``: rest is the details tuple, or ``(g, cA)`` in closed form.
+
+    Computed in `_compute_dtype` (float32 for half-precision gradients).
+    """
+    g = g.astype(_compute_dtype(g.dtype))
     if spec.closed_form:
         approx = kernels.block_sums(g, spec.axis, spec.block) * jnp.asarray(1 / math.sqrt(spec.block), g.dtype)
         return approx, (g, approx)
@@ -387,6 +396,7 @@ def scale_by_reference_adam(
     eps: float = 1e-6,
     mu_dtype: Optional[Any] = None,
     bias_correction: bool = True,
+    nu_dtype: Optional[Any] = None,
 ) -> optax.GradientTransformation:
     """Adam in the form of the GWT reference (Hugging Face's AdamW).
 
@@ -395,20 +405,29 @@ def scale_by_reference_adam(
     (``c_t = 1`` when `bias_correction` is False). It differs from
     `optax.scale_by_adam` only in where eps enters: here it is added to the
     uncorrected ``sqrt(v)`` (Kingma & Ba's "efficient" ordering). The state is
-    `optax.ScaleByAdamState`.
+    `optax.ScaleByAdamState`: ``mu`` in `mu_dtype`, ``nu`` in `nu_dtype` (None:
+    the params' dtype). The moments are updated and the output computed in
+    float32 for half-precision inputs or moments, then cast: the output to the
+    updates' dtype, the moments to their state dtype.
     """
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+    nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
 
     def init_fn(params):
         mu = optax.tree.zeros_like(params, dtype=mu_dtype)
-        nu = optax.tree.zeros_like(params)
+        nu = optax.tree.zeros_like(params, dtype=nu_dtype)
         return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
+
+    def moment(g, prev, decay, order):
+        dt = jnp.promote_types(_compute_dtype(g.dtype), _compute_dtype(prev.dtype))
+        g = g.astype(dt)
+        return (1 - decay) * (g if order == 1 else jnp.square(g)) + decay * prev.astype(dt)
 
     def update_fn(updates, state, params=None):
         del params
         count = optax.safe_increment(state.count)
-        mu = optax.tree.update_moment(updates, state.mu, b1, 1)
-        nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
+        mu = jax.tree_util.tree_map(lambda g, m: moment(g, m, b1, 1), updates, state.mu)
+        nu = jax.tree_util.tree_map(lambda g, v: moment(g, v, b2, 2), updates, state.nu)
         if bias_correction:
             dt = _scalar_dtype(updates)
             t = count.astype(dt)
@@ -418,7 +437,8 @@ def scale_by_reference_adam(
         out = jax.tree_util.tree_map(
             lambda m, v, g: (factor * m / (jnp.sqrt(v) + eps)).astype(g.dtype), mu, nu, updates
         )
-        mu = optax.tree.cast(mu, mu_dtype)
+        mu = jax.tree_util.tree_map(lambda m, old: m.astype(old.dtype), mu, state.mu)
+        nu = jax.tree_util.tree_map(lambda v, old: v.astype(old.dtype), nu, state.nu)
         return out, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -458,6 +478,7 @@ def scale_by_gwt(
     mask: MaskSpec = None,
     min_dim_size: Optional[int] = None,
     mu_dtype: Optional[Any] = None,
+    nu_dtype: Optional[Any] = None,
 ) -> optax.GradientTransformation:
     """The chain wavelet_project -> base optimizer -> wavelet_inverse, as one transform.
 
@@ -492,7 +513,13 @@ def scale_by_gwt(
         approximation's path only, not to the raw detail coefficients (the
         reference multiplies both, which amplifies the first steps' high
         frequencies by up to ``1 / (1 - b1)``). Only for rule ``"adam"``.
-      mu_dtype: dtype of the built-in Adam's first moment.
+      mu_dtype, nu_dtype: dtypes of the built-in Adam's first and second
+        moments (None: the params' dtype). ``jnp.bfloat16`` for both halves
+        the state of float32 params.
+
+    Half-precision (bfloat16, float16) gradients are transformed, and the
+    update computed, in float32; the base optimizer gets the approximation in
+    the gradient's dtype, and every update has its gradient's dtype.
 
     Returns:
       An `optax.GradientTransformation` with state `GWTState`.
@@ -501,7 +528,7 @@ def scale_by_gwt(
         raise ValueError(f"detail_rule must be one of {DETAIL_RULES}, got {detail_rule!r}")
     projection = WaveletProjection(level, wavelet, mode, axis, mask, min_dim_size)
     reference = base_optimizer is None
-    base = scale_by_reference_adam(b1, b2, eps, mu_dtype, bias_correction=False) if reference else base_optimizer
+    base = scale_by_reference_adam(b1, b2, eps, mu_dtype, bias_correction=False, nu_dtype=nu_dtype) if reference else base_optimizer
 
     def approx_tree(tree):
         specs, treedef = projection.leaf_specs(tree)
@@ -530,7 +557,7 @@ def scale_by_gwt(
         grads = treedef.flatten_up_to(updates)
         count = optax.safe_increment(state.count)
         projected = [(g, None) if s is None else _project_leaf(g, s) for g, s in zip(grads, specs)]
-        base_in = treedef.unflatten([p[0] for p in projected])
+        base_in = treedef.unflatten([p[0].astype(g.dtype) for p, g in zip(projected, grads)])
         base_out, base_state = base.update(base_in, state.base_state, None)
         base_out = treedef.flatten_up_to(base_out)
 
@@ -567,6 +594,7 @@ def scale_by_gwt(
                 norm_prev.append(r_prev)
                 continue
             approx, rest = projected[i]
+            n_upd = n_upd.astype(_compute_dtype(g.dtype))
             if norm_growth_limit is None:
                 lam, new_r = one, r_prev
             else:
@@ -584,8 +612,9 @@ def scale_by_gwt(
                 weight = jnp.where(a_norm > 0, u_norm / jnp.where(a_norm > 0, a_norm, 1.0), 0.0)
             else:
                 weight = None
-            u = _inverse_leaf(n_upd, rest, weight, spec, g.dtype)
-            out.append(u * jnp.asarray(scale, g.dtype))
+            cdt = _compute_dtype(g.dtype)
+            u = _inverse_leaf(n_upd, rest, weight, spec, cdt)
+            out.append((u * jnp.asarray(scale, cdt)).astype(g.dtype))
             norm_prev.append(new_r)
         new_state = GWTState(count=count, base_state=base_state, norm_prev=treedef.unflatten(norm_prev))
         return treedef.unflatten(out), new_state
@@ -616,6 +645,7 @@ def gwt_adamw(
     wavelet_mask: MaskSpec = None,
     min_dim_size: Optional[int] = None,
     mu_dtype: Optional[Any] = None,
+    nu_dtype: Optional[Any] = None,
 ) -> optax.GradientTransformation:
     """GWT-AdamW, the optimizer of the paper (the authors' WaveAdamW).
 
@@ -632,7 +662,7 @@ def gwt_adamw(
       weight_decay: decoupled weight decay.
       mask: which params weight decay applies to (as in `optax.adamw`).
       level, wavelet, mode, scale, norm_growth_limit, detail_rule,
-      bias_correct_details, axis, min_dim_size, mu_dtype: see `scale_by_gwt`.
+      bias_correct_details, axis, min_dim_size, mu_dtype, nu_dtype: see `scale_by_gwt`.
       wavelet_mask: which params may be transformed (`scale_by_gwt`'s mask).
     """
     stages = [
@@ -652,6 +682,7 @@ def gwt_adamw(
             mask=wavelet_mask,
             min_dim_size=min_dim_size,
             mu_dtype=mu_dtype,
+            nu_dtype=nu_dtype,
         )
     ]
     if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
