@@ -318,14 +318,24 @@ def _project_leaf(g: jax.Array, spec: _LeafSpec) -> tuple[jax.Array, Any]:
 
 
 def _inverse_leaf(
-    approx_update: jax.Array, rest: Any, weight: Optional[jax.Array], spec: _LeafSpec, dtype
+    approx_update: jax.Array,
+    rest: Any,
+    weight: Optional[jax.Array],
+    spec: _LeafSpec,
+    dtype,
+    clip: Optional[float] = None,
 ) -> jax.Array:
     """``waverec([approx_update, D_l * w, ..., D_1 * w])[:n]``, w repeated in place per level.
 
     `weight` is per approximation coefficient (A's shape), a scalar, or None
-    (details dropped).
+    (details dropped). With `clip`, the details' part of the result,
+    ``waverec([0, D_l * w, ..., D_1 * w])``, is clipped to ``[-clip, clip]``.
     """
     axis = spec.axis
+    if clip is not None and weight is not None:
+        low = _inverse_leaf(approx_update, rest, None, spec, dtype)
+        high = _inverse_leaf(jnp.zeros_like(approx_update, dtype), rest, weight, spec, dtype)
+        return low + jnp.clip(high, -clip, clip)
     if spec.closed_form:
         # (G - mean) * w + N / sqrt(B) = G * w + (N - A * w) / sqrt(B), per block:
         # one full-size multiply-add of G with two per-block values.
@@ -341,7 +351,8 @@ def _inverse_leaf(
         return g * w + kernels.repeat_blocks(offset, axis, spec.block, spec.length)
     coeffs = [approx_update.astype(dtype)]
     if weight is None:
-        coeffs += [None] * len(rest)
+        # Zeros, not None: waverec trims each level to the next details' length.
+        coeffs += [jnp.zeros_like(d, dtype) for d in rest]
     elif jnp.ndim(weight) == 0:
         coeffs += [d * weight.astype(dtype) for d in rest]
     else:
@@ -474,6 +485,7 @@ def scale_by_gwt(
     b2: float = 0.999,
     eps: float = 1e-6,
     bias_correct_details: bool = True,
+    detail_clip: Optional[float] = None,
     axis: AxisSpec = 0,
     mask: MaskSpec = None,
     min_dim_size: Optional[int] = None,
@@ -489,9 +501,10 @@ def scale_by_gwt(
     approximation shapes and keeps the details as temporaries of one update.
 
     Args:
-      base_optimizer: an Optax transformation that does not need params, run on
-        the approximation coefficients (and at full size on the arrays that are
-        not transformed). None (default): the reference Adam
+      base_optimizer: an Optax transformation, run on the approximation
+        coefficients (and at full size on the arrays that are not transformed).
+        If it reads params, it gets their approximation coefficients (enough
+        for shapes and for Adafactor's parameter-scale RMS). None (default): the reference Adam
         (`scale_by_reference_adam` with `b1`, `b2`, `eps`, `mu_dtype`), whose
         bias correction ``sqrt(1 - b2^t) / (1 - b1^t)`` then multiplies the whole
         update (step 6 of the algorithm): with it this reproduces the authors'
@@ -508,11 +521,18 @@ def scale_by_gwt(
       b1, b2, eps: Adam's constants: those of the built-in base, and with a
         given base and rule ``"adam"`` the ones used for the details'
         denominator ``sqrt(nu / (1 - b2^t)) + eps`` and bias correction
-        ``1 / (1 - b1^t)`` (set them to the base's).
+        ``1 / (1 - b1^t)``: set them to the base's (``b1 = b2 = 0`` for a base
+        without bias correction, such as `optax.scale_by_rms`).
       bias_correct_details: False applies Adam's ``1 / (1 - b1^t)`` to the
         approximation's path only, not to the raw detail coefficients (the
         reference multiplies both, which amplifies the first steps' high
         frequencies by up to ``1 / (1 - b1)``). Only for rule ``"adam"``.
+      detail_clip: None (default, the reference algorithm) or a bound: each
+        element of the details' part of the update (before `scale`, in units
+        of a bias-corrected Adam step, whose size is about 1 at most) is
+        clipped to ``[-detail_clip, detail_clip]``. A safeguard for
+        approximation coefficients near zero under large details: rule
+        ``"adam"`` divides the details by ``sqrt(v) + eps``, up to ``|D| / eps``.
       mu_dtype, nu_dtype: dtypes of the built-in Adam's first and second
         moments (None: the params' dtype). ``jnp.bfloat16`` for both halves
         the state of float32 params.
@@ -546,7 +566,6 @@ def scale_by_gwt(
         return GWTState(count=jnp.zeros([], jnp.int32), base_state=base_state, norm_prev=norm_prev)
 
     def update_fn(updates, state, params=None):
-        del params
         specs, treedef = projection.leaf_specs(updates)
         state_treedef = jax.tree_util.tree_structure(state.norm_prev)
         if treedef != state_treedef:
@@ -558,7 +577,14 @@ def scale_by_gwt(
         count = optax.safe_increment(state.count)
         projected = [(g, None) if s is None else _project_leaf(g, s) for g, s in zip(grads, specs)]
         base_in = treedef.unflatten([p[0].astype(g.dtype) for p, g in zip(projected, grads)])
-        base_out, base_state = base.update(base_in, state.base_state, None)
+        # A base that reads params (for their shapes, or an RMS as in Adafactor) sees
+        # the params' approximation; XLA drops this when the base does not use it.
+        base_params = None
+        if params is not None and not reference:
+            base_params = treedef.unflatten(
+                [p if s is None else _project_leaf(p, s)[0].astype(p.dtype) for p, s in zip(treedef.flatten_up_to(params), specs)]
+            )
+        base_out, base_state = base.update(base_in, state.base_state, base_params)
         base_out = treedef.flatten_up_to(base_out)
 
         nu = _find_second_moment(base_state, treedef)
@@ -613,7 +639,7 @@ def scale_by_gwt(
             else:
                 weight = None
             cdt = _compute_dtype(g.dtype)
-            u = _inverse_leaf(n_upd, rest, weight, spec, cdt)
+            u = _inverse_leaf(n_upd, rest, weight, spec, cdt, detail_clip)
             out.append((u * jnp.asarray(scale, cdt)).astype(g.dtype))
             norm_prev.append(new_r)
         new_state = GWTState(count=count, base_state=base_state, norm_prev=treedef.unflatten(norm_prev))
@@ -641,6 +667,7 @@ def gwt_adamw(
     norm_growth_limit: Optional[float] = 1.01,
     detail_rule: str = "auto",
     bias_correct_details: bool = True,
+    detail_clip: Optional[float] = None,
     axis: AxisSpec = 0,
     wavelet_mask: MaskSpec = None,
     min_dim_size: Optional[int] = None,
@@ -662,7 +689,8 @@ def gwt_adamw(
       weight_decay: decoupled weight decay.
       mask: which params weight decay applies to (as in `optax.adamw`).
       level, wavelet, mode, scale, norm_growth_limit, detail_rule,
-      bias_correct_details, axis, min_dim_size, mu_dtype, nu_dtype: see `scale_by_gwt`.
+      bias_correct_details, detail_clip, axis, min_dim_size, mu_dtype, nu_dtype:
+        see `scale_by_gwt`.
       wavelet_mask: which params may be transformed (`scale_by_gwt`'s mask).
     """
     stages = [
@@ -678,6 +706,7 @@ def gwt_adamw(
             b2=b2,
             eps=eps,
             bias_correct_details=bias_correct_details,
+            detail_clip=detail_clip,
             axis=axis,
             mask=wavelet_mask,
             min_dim_size=min_dim_size,

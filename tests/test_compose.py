@@ -186,3 +186,31 @@ def test_flax_nnx_optimizer():
     fresh_opt = nnx.Optimizer(fresh, tx, wrt=nnx.Param)
     train_step(fresh, fresh_opt)
     _assert_tree_close(nnx.state(fresh, nnx.Param), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["lion", "rms", "factored_rms", "muon"])
+def test_other_base_optimizers(name):
+    """Any Optax scaling can be the base; its state is built on the compressed shapes."""
+    params = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((64, 32)), jnp.float32)}
+    base, kw = {
+        "lion": (optax.scale_by_lion(), {}),
+        # RMSProp has no momentum and no bias correction: b1 = b2 = 0 says so to rule "adam".
+        "rms": (optax.scale_by_rms(), dict(b1=0.0, b2=0.0)),
+        "factored_rms": (optax.scale_by_factored_rms(min_dim_size_to_factor=8), {}),
+        "muon": (
+            optax.contrib.scale_by_muon(weight_dimension_numbers=lambda t: jax.tree_util.tree_map(lambda _: optax.contrib.MuonDimensionNumbers(), t)),
+            {},
+        ),
+    }[name]
+    opt = optax.chain(optax_gwt.scale_by_gwt(base, level=2, **kw), optax.scale_by_learning_rate(1e-3))
+    state = opt.init(params)
+    shapes = [x.shape for x in jax.tree_util.tree_leaves(state) if x.ndim]
+    assert max(int(np.prod(s)) for s in shapes) <= 64 * 32 // 4, shapes
+    target = jnp.asarray(np.random.default_rng(1).standard_normal((64, 32)), jnp.float32)
+    loss = lambda p: jnp.mean((p["w"] - target) ** 2)
+    step = jax.jit(lambda p, s: (lambda g: opt.update(g, s, p))(jax.grad(loss)(p)))
+    start = float(loss(params))
+    for _ in range(50):
+        u, state = step(params, state)
+        params = optax.apply_updates(params, u)
+    assert float(loss(params)) < start
