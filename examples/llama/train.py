@@ -64,7 +64,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, gr
         grads = jax.tree.map(lambda g: g / grad_accum, grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": losses.mean(), "grad_norm": optax.global_norm(grads)}
+        return params, opt_state, {"loss": losses.mean(), "grad_norm": optax.tree.norm(grads)}
 
     return jax.jit(train_step, donate_argnums=(0, 1))
 
