@@ -2,8 +2,9 @@
 
 Everything needed to continue bit-for-bit is in one checkpoint: the params and
 the optimizer state (arrays, restored exactly), and a JSON ``meta`` dict with the
-step, the data loader's position (`examples.llama.data` loaders'
-``state_dict()``) and the seed. Any later change to what a checkpoint holds
+step and the data loader's position (`examples.llama.data` loaders'
+``state_dict()``, which includes where the seeded data order stands; training
+itself draws no random numbers). Any later change to what a checkpoint holds
 belongs here.
 """
 
@@ -26,8 +27,9 @@ class Checkpointer:
             os.path.abspath(directory), options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
         )
 
-    def save(self, step: int, params: Any, opt_state: Any, meta: dict) -> None:
+    def save(self, step: int, params: Any, opt_state: Any, data_loader) -> None:
         """Writes a checkpoint for `step` (asynchronously; `close` or the next save waits for it)."""
+        meta = {"step": step, "data": data_loader.state_dict()}
         self.manager.save(
             step,
             args=ocp.args.Composite(
@@ -40,8 +42,12 @@ class Checkpointer:
     def latest_step(self) -> Optional[int]:
         return self.manager.latest_step()
 
-    def restore(self, params: Any, opt_state: Any, step: Optional[int] = None) -> tuple[Any, Any, dict]:
-        """The checkpoint at `step` (default: the latest), shaped like the given `params` and `opt_state`."""
+    def restore(self, params: Any, opt_state: Any, data_loader, step: Optional[int] = None) -> tuple[Any, Any, int]:
+        """Restores the checkpoint at `step` (default: the latest).
+
+        Returns ``(params, opt_state, step)`` shaped like the given `params` and
+        `opt_state`, and puts `data_loader` back at its saved position.
+        """
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.manager.directory}")
@@ -54,7 +60,8 @@ class Checkpointer:
                 meta=ocp.args.JsonRestore(),
             ),
         )
-        return restored.params, restored.opt_state, restored.meta
+        data_loader.load_state_dict(restored.meta["data"])
+        return restored.params, restored.opt_state, int(restored.meta["step"])
 
     def close(self) -> None:
         self.manager.wait_until_finished()

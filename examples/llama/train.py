@@ -180,23 +180,19 @@ def run(args: argparse.Namespace) -> dict:
     opt_state = tx.init(params)
 
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    state_bytes = optax_gwt.optimizer_state_bytes(tx, params).total
-    matrix_bytes = optimizers.matrix_state_bytes(tx, params)
-    adam = optimizers.make_optimizer("adamw", params, steps=args.steps)
-    adam_bytes, adam_matrix_bytes = optax_gwt.optimizer_state_bytes(adam, params).total, optimizers.matrix_state_bytes(adam, params)
+    memory = state_memory(tx, params, args.steps)
     print(
         f"model {args.config} {cfg.hidden_size}x{cfg.num_layers} vocab {cfg.vocab_size}: {n_params / 1e6:.2f}M params | "
-        f"optimizer {args.optimizer}: state {state_bytes / 2**20:.2f} MiB = {state_bytes / adam_bytes:.3f} x AdamW's "
-        f"(attention/MLP matrices {matrix_bytes / 2**20:.2f} MiB = {matrix_bytes / adam_matrix_bytes:.3f} x)",
+        f"optimizer {args.optimizer}: state {memory['state_bytes'] / 2**20:.2f} MiB = "
+        f"{memory['state_bytes'] / memory['adamw_state_bytes']:.3f} x AdamW's (attention/MLP matrices "
+        f"{memory['matrix_state_bytes'] / 2**20:.2f} MiB = {memory['matrix_state_bytes'] / memory['adamw_matrix_state_bytes']:.3f} x)",
         flush=True,
     )
 
     step = 0
     ckpt = Checkpointer(args.ckpt_dir) if args.ckpt_dir else None
     if args.resume and ckpt.latest_step() is not None:
-        params, opt_state, meta = ckpt.restore(params, opt_state)
-        step = int(meta["step"])
-        train_data.load_state_dict(meta["data"])
+        params, opt_state, step = ckpt.restore(params, opt_state, train_data)
         print(f"resumed from step {step}", flush=True)
     metrics_file = _open_metrics(args.metrics, keep_until=step if args.resume else None)
 
@@ -235,7 +231,7 @@ def run(args: argparse.Namespace) -> dict:
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s'] or 0:.0f}",
                         **({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}))
         if ckpt and ((args.save_every and step % args.save_every == 0) or step == last):
-            ckpt.save(step, params, opt_state, {"step": step, "seed": args.seed, "data": train_data.state_dict()})
+            ckpt.save(step, params, opt_state, train_data)
     bar.close()
     if ckpt:
         ckpt.close()
@@ -246,10 +242,7 @@ def run(args: argparse.Namespace) -> dict:
     summary = {
         "optimizer": args.optimizer,
         "params": n_params,
-        "state_bytes": state_bytes,
-        "matrix_state_bytes": matrix_bytes,
-        "adamw_state_bytes": adam_bytes,
-        "adamw_matrix_state_bytes": adam_matrix_bytes,
+        **memory,
         "lr": optimizers.DEFAULT_LR[args.optimizer] if args.lr is None else args.lr,
         "final_val_loss": evals[-1]["val_loss"] if evals else None,
         "final_val_ppl": evals[-1]["val_ppl"] if evals else None,
@@ -257,6 +250,17 @@ def run(args: argparse.Namespace) -> dict:
         "tokens": step * tokens_per_step,
     }
     return {"history": history, "summary": summary, "params": params}
+
+
+def state_memory(tx: optax.GradientTransformation, params: Any, steps: int) -> dict:
+    """Optimizer-state bytes of `tx` and of AdamW, in total and for the attention/MLP matrices."""
+    adam = optimizers.make_optimizer("adamw", params, steps=steps)
+    return {
+        "state_bytes": optax_gwt.optimizer_state_bytes(tx, params).total,
+        "matrix_state_bytes": optimizers.matrix_state_bytes(tx, params),
+        "adamw_state_bytes": optax_gwt.optimizer_state_bytes(adam, params).total,
+        "adamw_matrix_state_bytes": optimizers.matrix_state_bytes(adam, params),
+    }
 
 
 def _open_metrics(path: Optional[str], keep_until: Optional[int]):
