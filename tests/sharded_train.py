@@ -45,7 +45,7 @@ def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
 AXES = ("data", "fsdp", "model")
 
 
-def make_mesh(text: str):
+def make_mesh(text: str, devices: Optional[Sequence[Any]] = None):
     """A mesh with the axes data, fsdp and model; those `text` leaves out have size 1.
 
     Every run names all three axes, so the params' PartitionSpecs, hence GWT's
@@ -60,7 +60,8 @@ def make_mesh(text: str):
     if unknown:
         raise ValueError(f"unknown mesh axes {sorted(unknown)}; use {AXES}")
     size = dict(zip(names, sizes))
-    return jax.make_mesh(tuple(size.get(a, 1) for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    shape = tuple(size.get(a, 1) for a in AXES)
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 
 def param_specs() -> dict:
@@ -119,7 +120,7 @@ def make_optimizer(specs: Any):
     import optax_gwt
     from optax_gwt.sharding import unsharded_axis
 
-    return optax_gwt.gwt_adamw(3e-3, weight_decay=0.1, axis=unsharded_axis(specs))
+    return optax_gwt.gwt_adamw(1e-3, weight_decay=0.1, axis=unsharded_axis(specs))
 
 
 def make_train_step(optimizer):

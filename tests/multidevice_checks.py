@@ -1,0 +1,251 @@
+"""GWT on 8 simulated CPU devices: run by tests/test_sharding.py in its own process.
+
+The module name does not match ``test_*.py``, so the main test run (one device)
+does not collect it; `test_sharding.test_eight_device_checks` runs it with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8``.
+"""
+
+import functools
+import os
+import re
+import sys
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import optax_gwt
+from optax_gwt.sharding import per_device_bytes, state_partition_specs, state_shardings, unsharded_axis
+
+sys.path.insert(0, os.path.dirname(__file__))
+import sharded_train  # noqa: E402
+
+if jax.device_count() != 8:
+    pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8", allow_module_level=True)
+
+COLLECTIVES = ("all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter")
+PARAMS = ("w1", "b1", "w2", "w3", "w4")
+
+# name: (mesh axes, params' specs, batch spec, GWT's axis: "free" = unsharded_axis(specs), or 0).
+CASES = {
+    "data_parallel": ({"data": 8}, {k: P() for k in PARAMS}, P("data"), "free"),
+    "fsdp": ({"fsdp": 8}, {"w1": P(None, "fsdp"), "b1": P("fsdp"), "w2": P(None, "fsdp"), "w3": P(None, "fsdp"), "w4": P(None, "fsdp")}, P("fsdp"), "free"),
+    # Tensor parallel over model (w3 row-parallel: GWT then transforms its axis 1), data parallel over data.
+    "data_x_model": ({"data": 2, "model": 4}, {"w1": P(None, "model"), "b1": P("model"), "w2": P(None, "model"), "w3": P("model", None), "w4": P(None, "model")}, P("data"), "free"),
+    # The transform axis itself is sharded (w2 on both axes; the others along GWT's default axis 0).
+    "transform_axis_sharded": ({"data": 2, "model": 4}, {"w1": P("model"), "b1": P("model"), "w2": P("data", "model"), "w3": P("model"), "w4": P(None, "model")}, P("data"), 0),
+}
+
+
+def mesh_of(axes: dict, axis_type=AxisType.Auto):
+    return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(axis_type,) * len(axes))
+
+
+def shardings(mesh, specs):
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs)
+
+
+def params0():
+    return sharded_train.init_params(jax.random.PRNGKey(0))
+
+
+def chosen_axes(specs, axis) -> tuple:
+    """The transform axis of each param, as a hashable tuple."""
+    if axis == "free":
+        choose = unsharded_axis(specs)
+        return tuple(choose((jax.tree_util.DictKey(k),), v) for k, v in sorted(params0().items()))
+    return tuple(axis if v.ndim >= 2 else None for _, v in sorted(params0().items()))
+
+
+@functools.lru_cache(maxsize=None)
+def gwt(axes: tuple):
+    """GWT-AdamW with the given per-param axes (cached: one compiled reference per choice)."""
+    return optax_gwt.gwt_adamw(1e-3, weight_decay=0.1, axis=dict(zip(sorted(PARAMS), axes)))
+
+
+def grads_at(step: int):
+    keys = jax.random.split(jax.random.PRNGKey(100 + step), len(PARAMS))
+    return {k: (step + 1) * jax.random.normal(kk, v.shape, jnp.float32) for (k, v), kk in zip(sorted(params0().items()), keys)}
+
+
+@functools.lru_cache(maxsize=None)
+def reference_updates(axes: tuple, steps: int):
+    """One device: the updates and states of `steps` GWT steps on `grads_at`."""
+    opt, params = gwt(axes), params0()
+    state, out = opt.init(params), []
+    update = jax.jit(opt.update)
+    for t in range(steps):
+        updates, state = update(grads_at(t), state, params)
+        out.append(jax.device_get((updates, state)))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def reference_training(axes: tuple, steps: int):
+    """One device: the losses and final params of `steps` training steps."""
+    opt, params = gwt(axes), params0()
+    step = jax.jit(sharded_train.make_train_step(opt))
+    state, losses = opt.init(params), []
+    for t in range(steps):
+        params, state, loss = step(params, state, *sharded_train.global_batch(t))
+        losses.append(float(loss))
+    return losses, jax.device_get(params)
+
+
+def assert_trees_close(actual, expected, rtol):
+    """Each leaf within rtol of its largest entry (an update's scale), leaf by leaf."""
+    for a, e in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected)):
+        e = np.asarray(e)
+        np.testing.assert_allclose(np.asarray(a), e, rtol=rtol, atol=rtol * max(np.max(np.abs(e)), 1e-30))
+
+
+def count_collectives(hlo: str) -> dict:
+    return {c: len(re.findall(rf"\s{c}(?:-start)?\(", hlo)) for c in COLLECTIVES}
+
+
+def assert_only_scalar_all_reduces(hlo: str) -> None:
+    counts = count_collectives(hlo)
+    assert counts["all-gather"] == counts["all-to-all"] == counts["collective-permute"] == counts["reduce-scatter"] == 0, counts
+    for line in hlo.splitlines():
+        if re.search(r"\sall-reduce(?:-start)?\(", line):
+            result_type = line.split("=", 1)[1].split("all-reduce", 1)[0]
+            assert re.fullmatch(r"\s*\(?(f32\[\](,\s*)?)+\)?\s*", result_type), line
+
+
+@pytest.mark.parametrize("name", ["fsdp", "data_x_model", "transform_axis_sharded"])
+def test_sharded_update_equals_single_device(name):
+    """Same gradients, 3 steps: the sharded updates and states equal one device's (float32, rtol 1e-5).
+
+    With the transform axes unsharded, the compiled update moves no array
+    between devices: its only collective is the all-reduce of the norm-growth
+    limiter's per-matrix scalars.
+    """
+    axes_of_mesh, specs, _, axis = CASES[name]
+    mesh = mesh_of(axes_of_mesh)
+    axes = chosen_axes(specs, axis)
+    opt, params = gwt(axes), params0()
+    psh = shardings(mesh, specs)
+    ssh = state_shardings(opt, params, psh)
+    update = jax.jit(opt.update, in_shardings=(psh, ssh, psh), out_shardings=(psh, ssh))
+    state = jax.jit(opt.init, out_shardings=ssh)(jax.device_put(params, psh))
+    if axis == "free":
+        assert_only_scalar_all_reduces(update.lower(params, state, params).compile().as_text())
+    for t, expected in enumerate(reference_updates(axes, 3)):
+        updates, state = update(jax.device_put(grads_at(t), psh), state, jax.device_put(params, psh))
+        assert_trees_close((updates, state), expected, rtol=1e-5)
+    for leaf, sharding in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(ssh)):
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+
+
+@functools.lru_cache(maxsize=None)
+def sharded_training_step(name: str, optimizer: Optional[optax.GradientTransformation] = None):
+    """The compiled train step of a case (GWT, or `optimizer`), and the params', state's and batch's shardings."""
+    axes_of_mesh, specs, bspec, axis = CASES[name]
+    mesh = mesh_of(axes_of_mesh)
+    opt = optimizer or gwt(chosen_axes(specs, axis))
+    psh, bsh = shardings(mesh, specs), NamedSharding(mesh, bspec)
+    ssh = state_shardings(opt, params0(), psh)
+    step = jax.jit(
+        sharded_train.make_train_step(opt),
+        in_shardings=(psh, ssh, bsh, bsh),
+        out_shardings=(psh, ssh, NamedSharding(mesh, P())),
+    )
+    x, y = sharded_train.global_batch(0)
+    return opt, step.lower(params0(), jax.eval_shape(opt.init, params0()), x, y).compile(), psh, ssh, bsh
+
+
+@pytest.mark.parametrize("name", ["data_parallel", "fsdp", "data_x_model"])
+def test_sharded_training_equals_single_device(name):
+    """Forward, backward and GWT step on the mesh: the losses and params of 4 steps match one device.
+
+    The gradients are summed in another order on the mesh; GWT's detail rule
+    divides a block's details by its approximation's Adam denominator, which
+    amplifies those float32 rounding differences where a block's mean is near
+    zero, hence a tolerance on params relative to how far they moved.
+    """
+    opt, step, psh, ssh, bsh = sharded_training_step(name)
+    params = params0()
+    p = jax.device_put(params, psh)
+    s = jax.jit(opt.init, out_shardings=ssh)(p)
+    losses = []
+    for t in range(4):
+        p, s, loss = step(p, s, *jax.device_put(sharded_train.global_batch(t), bsh))
+        losses.append(float(loss))
+    ref_losses, ref_params = reference_training(chosen_axes(CASES[name][1], CASES[name][3]), 4)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree_util.tree_leaves(ref_params), jax.tree_util.tree_leaves(params)))
+    for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(ref_params)):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=1e-3 * moved)
+
+
+def test_fsdp_step_gathers_no_more_than_adamw():
+    """A full FSDP train step with GWT compiles to as many all-gathers and all-to-alls as with optax.adamw."""
+
+    def counts(optimizer=None):
+        return count_collectives(sharded_training_step("fsdp", optimizer)[1].as_text())
+
+    with_gwt, with_adamw = counts(), counts(optax.adamw(1e-3, weight_decay=0.1))
+    assert with_adamw["all-gather"] > 0  # FSDP gathers the params for the forward pass
+    for c in ("all-gather", "all-to-all"):
+        assert with_gwt[c] == with_adamw[c], (c, with_gwt, with_adamw)
+
+
+def test_state_bytes_per_device_fall_with_devices():
+    """FSDP over n devices: each device holds 1/n of every matrix's compressed moments."""
+    params = params0()
+    specs = {k: P(None, "fsdp") if v.ndim == 2 else P("fsdp") for k, v in params.items()}
+    opt = gwt(chosen_axes(specs, "free"))
+    on_device = {}
+    for n in (1, 2, 8):
+        mesh = mesh_of({"fsdp": n}) if n == 8 else jax.make_mesh((n,), ("fsdp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+        ssh = state_shardings(opt, params, shardings(mesh, specs))
+        state = jax.jit(opt.init, out_shardings=ssh)(params)
+        device = mesh.devices.flat[0]
+
+        def held(tree):
+            return sum(s.data.nbytes for leaf in jax.tree_util.tree_leaves(tree) for s in leaf.addressable_shards if s.device == device)
+
+        moments = state[0].base_state
+        on_device[n] = {k: held((moments.mu[k], moments.nu[k])) for k in params}
+        predicted = per_device_bytes(jax.eval_shape(opt.init, params), state_partition_specs(opt, params, specs, mesh), mesh)
+        assert held(state) == predicted
+    for k, v in params.items():
+        # Adam's two float32 moments; a matrix's rows compressed 4x by level 2 (all row counts divide by 4).
+        assert on_device[1][k] == 2 * 4 * v.size // (4 if v.ndim == 2 else 1), k
+        assert on_device[2][k] * 2 == on_device[1][k] and on_device[8][k] * 8 == on_device[1][k], k
+
+
+def test_compressed_axis_not_divisible_is_replicated():
+    """w4 has 40 rows sharded 8 ways; compressed to 10 rows it cannot be, so its state replicates that axis."""
+    mesh = mesh_of({"fsdp": 8})
+    params = params0()
+    specs = {k: P("fsdp") for k in params}
+    opt = gwt(chosen_axes(specs, 0))
+    ssh = state_shardings(opt, params, shardings(mesh, specs))
+    assert ssh[0].base_state.mu["w4"].spec == P()
+    assert ssh[0].base_state.mu["w2"].spec == P("fsdp")
+    state = jax.jit(opt.init, out_shardings=ssh)(jax.device_put(params, shardings(mesh, specs)))
+    assert state[0].base_state.mu["w4"].addressable_shards[0].data.shape == (10, 32)
+    assert state[0].base_state.mu["w2"].addressable_shards[0].data.shape == (2, 64)
+
+
+def test_explicit_axes_mesh():
+    """On a mesh of explicit axes (`jax.make_mesh`'s default) the FSDP update runs and equals one device's."""
+    axes_of_mesh, specs, _, axis = CASES["fsdp"]
+    mesh = mesh_of(axes_of_mesh, AxisType.Explicit)
+    axes = chosen_axes(specs, axis)
+    opt, params = gwt(axes), params0()
+    psh = shardings(mesh, specs)
+    ssh = state_shardings(opt, params, psh)
+    with jax.set_mesh(mesh):
+        state = jax.jit(opt.init, out_shardings=ssh)(jax.device_put(params, psh))
+        update = jax.jit(opt.update)
+        for t, expected in enumerate(reference_updates(axes, 3)):
+            updates, state = update(jax.device_put(grads_at(t), psh), state, jax.device_put(params, psh))
+            assert_trees_close((updates, state), expected, rtol=1e-5)
+    for leaf, sharding in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(ssh)):
+        assert leaf.sharding.spec == sharding.spec
