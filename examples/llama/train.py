@@ -12,6 +12,7 @@ with params and optimizer state donated; `run` is the loop around them
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -26,8 +27,10 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import optax_gwt
+from optax_gwt.sharding import state_shardings
 from examples.llama import data as data_lib
 from examples.llama import model as model_lib
+from examples.llama import mesh as mesh_lib
 from examples.llama import optimizers
 from examples.llama.checkpoint import Checkpointer
 
@@ -120,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
     g.add_argument("--metrics", default=None, help="JSON-lines file for the metrics")
     g.add_argument("--no-progress", action="store_true")
+    g = p.add_argument_group("devices")
+    g.add_argument("--mesh", default=None, help="shard over a device mesh, e.g. data=2,fsdp=4 (see examples.llama.mesh)")
+    g.add_argument("--coordinator", default=None, help="host:port of process 0 for a multi-process run (jax.distributed)")
+    g.add_argument("--num-processes", type=int, default=1)
+    g.add_argument("--process-id", type=int, default=None)
     return p
 
 
@@ -162,6 +170,7 @@ def make_optimizer(args: argparse.Namespace, params: Any) -> optax.GradientTrans
 
 def run(args: argparse.Namespace) -> dict:
     """Trains as `args` say; returns ``{"history": [metrics per logged step], "summary": {...}}``."""
+    mesh_lib.initialize(args.coordinator, args.num_processes, args.process_id)
     spec = data_lib.DataSpec(
         source=args.data,
         tokenizer=args.tokenizer,
@@ -177,7 +186,13 @@ def run(args: argparse.Namespace) -> dict:
     cfg = model_lib.get_config(args.config, tokenizer.vocab_size, **_model_overrides(args.model))
     graphdef, params = nnx.split(model_lib.Llama(cfg, nnx.Rngs(args.seed)), nnx.Param)
     tx = make_optimizer(args, params)
-    opt_state = tx.init(params)
+    place_batch = lambda batch: batch  # noqa: E731
+    if args.mesh:
+        mesh = mesh_lib.make_mesh(args.mesh)
+        shardings = mesh_lib.param_shardings(params, mesh)
+        params = jax.device_put(params, shardings)
+        place_batch = functools.partial(mesh_lib.place, sharding=mesh_lib.batch_sharding(mesh))
+    opt_state = jax.jit(tx.init, out_shardings=state_shardings(tx, params) if args.mesh else None)(params)
 
     n_params = sum(x.size for x in jax.tree.leaves(params))
     memory = state_memory(tx, params, args.steps)
@@ -194,19 +209,23 @@ def run(args: argparse.Namespace) -> dict:
     if args.resume and ckpt.latest_step() is not None:
         params, opt_state, step = ckpt.restore(params, opt_state, train_data)
         print(f"resumed from step {step}", flush=True)
-    metrics_file = _open_metrics(args.metrics, keep_until=step if args.resume else None)
+    metrics_file = _open_metrics(args.metrics, keep_until=step if args.resume else None) if jax.process_index() == 0 else None
 
     train_step = make_train_step(graphdef, tx, args.grad_accum)
     eval_step = make_eval_step(graphdef)
+    if args.mesh:
+        layouts = (shardings, state_shardings(tx, params))
+        train_step = jax.jit(train_step, out_shardings=(*layouts, None), donate_argnums=(0, 1))
+        eval_step = functools.partial(lambda step, p, b: step(p, place_batch(b)), eval_step)
     lr_fn = optimizers.make_schedule(1.0, args.steps, args.warmup_frac, args.min_lr_ratio)
     tokens_per_step = args.batch_size * args.seq_len
     last = min(args.steps, args.stop_at or args.steps)
     history, timed_tokens, timed_seconds = [], 0, 0.0
-    bar = tqdm(total=last, initial=step, disable=args.no_progress, desc=args.optimizer, dynamic_ncols=True)
+    bar = tqdm(total=last, initial=step, disable=args.no_progress or jax.process_index() > 0, desc=args.optimizer, dynamic_ncols=True)
     while step < last:
         batch = next(train_data)
         t0 = time.perf_counter()
-        params, opt_state, m = train_step(params, opt_state, batch)
+        params, opt_state, m = train_step(params, opt_state, place_batch(batch))
         loss = float(m["loss"])  # waits for the step
         if step > 0 or args.resume:  # the first step of a process includes compilation
             timed_seconds += time.perf_counter() - t0
