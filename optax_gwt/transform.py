@@ -53,9 +53,11 @@ __all__ = [
 ]
 
 DETAIL_RULES = ("auto", "adam", "norm_ratio", "zero")
-#: Arguments of `gwt_adamw` / `scale_by_gwt` that fix shapes: pass them as
+#: Arguments of `gwt_adamw` / `scale_by_gwt` that fix shapes or dtypes, or may
+#: be callables that are not schedules (dtypes such as ``jnp.bfloat16`` are
+#: callable): pass them as
 #: ``optax.inject_hyperparams(gwt_adamw, static_args=STATIC_ARGS)``.
-STATIC_ARGS = ("level", "axis", "min_dim_size", "wavelet", "mode")
+STATIC_ARGS = ("level", "axis", "min_dim_size", "wavelet", "mode", "mu_dtype", "nu_dtype", "mask", "wavelet_mask")
 
 AxisSpec = Union[None, int, Callable[[tuple, jax.Array], Optional[int]], Any]
 MaskSpec = Union[None, Any, Callable[[Any], Any]]
@@ -681,7 +683,9 @@ def gwt_adamw(
     `axis`, the rest plain Adam with the same bias-corrected step). Weight
     decay is decoupled and uses the full-size parameter before the step, as
     `optax.adamw` does (the PyTorch original decays after the step, a
-    difference of order ``lr^2``).
+    difference of order ``lr^2``). Each update has its gradient's dtype, also
+    under ``optax.inject_hyperparams`` (whose float32 hyperparameters would
+    promote bfloat16 updates).
 
     Args:
       learning_rate: a float or an Optax schedule.
@@ -717,4 +721,18 @@ def gwt_adamw(
     if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
         stages.append(optax.add_decayed_weights(weight_decay, mask))
     stages.append(optax.scale_by_learning_rate(learning_rate))
-    return optax.chain(*stages)
+    return _in_gradient_dtype(optax.chain(*stages))
+
+
+def _in_gradient_dtype(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """`inner` with each update cast to its gradient's dtype.
+
+    Hyperparameters held as float32 arrays (``optax.inject_hyperparams``) would
+    otherwise promote half-precision updates to float32.
+    """
+
+    def update_fn(updates, state, params=None, **extra_args):
+        out, state = inner.update(updates, state, params, **extra_args)
+        return jax.tree_util.tree_map(lambda u, g: u.astype(g.dtype), out, updates), state
+
+    return optax.GradientTransformationExtraArgs(inner.init, update_fn)
