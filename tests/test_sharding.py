@@ -144,6 +144,31 @@ def _train(tmp_path, name, devices, *args):
     return json.loads(out.read_text())
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _run_two_processes(args, devices_each):
+    """Runs `args` as processes 0 and 1 of a jax.distributed job on localhost; returns their logs."""
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *args, "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
+            env=_env(devices_each), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-4000:] for log in logs)
+    return logs
+
+
 def test_eight_device_checks():
     """tests/multidevice_checks.py with 8 simulated devices: sharded == single device, no gathers, bytes/device."""
     _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "multidevice_checks.py")], devices=8)
@@ -177,24 +202,12 @@ def test_two_processes_then_orbax_across_meshes(tmp_path, uninterrupted):
     """jax.distributed on localhost (2 processes x 4 CPU devices, gloo) trains 3 steps on data=2 x fsdp=4
     like one process and saves an Orbax checkpoint; one device resumes it to step 6 and saves; 8 devices
     (fsdp=2 x model=4) resume to step 9: the losses and params are those of the uninterrupted run."""
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "two.json"
-    common = [str(TESTS / "sharded_train.py"), "--mesh", "data=2,fsdp=4", "--steps", "3", "--devices-per-process", "4",
-              "--coordinator", f"localhost:{port}", "--num-processes", "2", "--save", str(tmp_path / "ckpt3"),
-              "--losses", str(out)]
-    procs = [
-        subprocess.Popen([sys.executable, *common, "--process-id", str(i)], env=_env(), cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)
-    ]
-    try:
-        logs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-4000:] for log in logs)
+    _run_two_processes(
+        [str(TESTS / "sharded_train.py"), "--mesh", "data=2,fsdp=4", "--steps", "3", "--devices-per-process", "4",
+         "--save", str(tmp_path / "ckpt3"), "--losses", str(out)],
+        devices_each=None,
+    )
     two = json.loads(out.read_text())
     assert two["start"] == 0
     np.testing.assert_allclose(two["losses"], uninterrupted["losses"][:3], rtol=1e-5)
@@ -203,3 +216,19 @@ def test_two_processes_then_orbax_across_meshes(tmp_path, uninterrupted):
     eight = _train(tmp_path, "eight", 8, "--mesh", "fsdp=2,model=4", "--steps", "9", "--restore", str(tmp_path / "ckpt6"))
     assert (one["start"], eight["start"]) == (3, 6)
     _assert_same_run({"losses": two["losses"] + one["losses"] + eight["losses"], "params": eight["params"]}, uninterrupted)
+
+
+def test_llama_example_with_mesh_and_two_processes(tmp_path):
+    """examples.llama.train: the mesh data=2,fsdp=4 over two processes (jax.distributed, 4 devices each)
+    logs the losses of one process with 8 devices (which tests/multidevice_checks ties to one device)."""
+    common = ["-m", "examples.llama.train", "--model", "num_layers=1", "--seq-len", "32", "--batch-size", "8",
+              "--eval-batches", "1", "--no-progress", "--optimizer", "gwt", "--steps", "3", "--eval-every", "3"]
+
+    def losses(name):
+        return [json.loads(line)["loss"] for line in (tmp_path / name).read_text().splitlines()]
+
+    _run([*common, "--mesh", "data=2,fsdp=4", "--metrics", str(tmp_path / "mesh.jsonl")], devices=8)
+    _run_two_processes([*common, "--mesh", "data=2,fsdp=4", "--metrics", str(tmp_path / "two.jsonl")], devices_each=4)
+    one = losses("mesh.jsonl")
+    assert len(one) == 3
+    np.testing.assert_allclose(losses("two.jsonl"), one, rtol=1e-5)
