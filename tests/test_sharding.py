@@ -181,7 +181,7 @@ def uninterrupted(tmp_path_factory):
 
 
 def _assert_same_run(run, reference):
-    """Losses within float32 noise; params within 2% of how far the reference moved them.
+    """Losses within float32 noise; params within 0.2% of how far the reference moved them.
 
     Summation orders differ between meshes, and GWT's details are divided by
     their block's Adam denominator, which magnifies float32 rounding where a
@@ -195,7 +195,7 @@ def _assert_same_run(run, reference):
     for k, e in reference["params"].items():
         e = np.asarray(e)
         moved = np.max(np.abs(e - np.asarray(start[k])))
-        np.testing.assert_allclose(np.asarray(run["params"][k]), e, rtol=0, atol=2e-2 * moved, err_msg=k)
+        np.testing.assert_allclose(np.asarray(run["params"][k]), e, rtol=0, atol=2e-3 * moved, err_msg=k)
 
 
 def test_two_processes_then_orbax_across_meshes(tmp_path, uninterrupted):
