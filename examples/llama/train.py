@@ -12,6 +12,7 @@ with params and optimizer state donated; `run` is the loop around them
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -32,7 +33,7 @@ from examples.llama import data as data_lib
 from examples.llama import model as model_lib
 from examples.llama import mesh as mesh_lib
 from examples.llama import optimizers
-from examples.llama.checkpoint import Checkpointer
+from examples.llama.checkpoint import Checkpointer, run_metadata
 
 __all__ = ["build_parser", "loss_fn", "make_eval_step", "make_train_step", "parse_args", "run"]
 
@@ -141,13 +142,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def _model_overrides(items: Sequence[str]) -> dict:
-    fields = {f.name: f.type for f in model_lib.LlamaConfig.__dataclass_fields__.values()}
+    """``["num_layers=2", ...]`` -> ``{"num_layers": 2, ...}``, typed as the `LlamaConfig` fields."""
+    types = {"int": int, "float": float, "str": str}
+    fields = {f.name: types[str(f.type)] for f in dataclasses.fields(model_lib.LlamaConfig)}
     out = {}
     for item in items:
         key, _, value = item.partition("=")
         if key not in fields:
             raise SystemExit(f"--model {item!r}: unknown field; choose from {sorted(fields)}")
-        out[key] = value if fields[key] in ("str", str) else (float(value) if "." in value or "e" in value else int(value))
+        out[key] = fields[key](value)
     return out
 
 
@@ -205,7 +208,7 @@ def run(args: argparse.Namespace) -> dict:
     )
 
     step = 0
-    ckpt = Checkpointer(args.ckpt_dir) if args.ckpt_dir else None
+    ckpt = Checkpointer(args.ckpt_dir, run=run_metadata(args, cfg)) if args.ckpt_dir else None
     if args.resume and ckpt.latest_step() is not None:
         params, opt_state, step = ckpt.restore(params, opt_state, train_data)
         print(f"resumed from step {step}", flush=True)
