@@ -27,7 +27,6 @@ import optax_gwt
 __all__ = [
     "DEFAULT_LR",
     "OPTIMIZERS",
-    "OptimizerConfig",
     "galore_rank_matching",
     "make_optimizer",
     "param_labels",
@@ -50,6 +49,10 @@ DEFAULT_LR = {
 }
 OPTIMIZERS = tuple(DEFAULT_LR)
 
+#: Lion's steps are sign(.) (RMS 1) where Adam's are smaller: the usual advice
+#: (Chen et al. 2023) is a 3-10x smaller learning rate. Applied to the matrices.
+LION_LR_RATIO = 0.1
+
 
 def _key_name(key) -> Any:
     for attr in ("key", "name", "idx"):
@@ -70,10 +73,6 @@ def param_labels(params: Any) -> Any:
         return "matrix" if x.ndim == 2 and names & set(MATRIX_MODULES) else "other"
 
     return jax.tree_util.tree_map_with_path(label, params)
-
-
-class OptimizerConfig(dict):
-    """Keyword arguments of `make_optimizer` (a dict, so that it prints and serialises)."""
 
 
 def make_schedule(lr: float, steps: int, warmup_frac: float = 0.1, min_lr_ratio: float = 0.1) -> optax.Schedule:
@@ -150,11 +149,6 @@ def make_optimizer(
             optax.scale_by_learning_rate(sched(lr * LION_LR_RATIO)),
         )
     return optax.multi_transform({"matrix": matrix, "other": adamw(lr)}, param_labels)
-
-
-#: Lion's steps are sign(.) (RMS 1) where Adam's are smaller: the usual advice
-#: (Chen et al. 2023) is a 3-10x smaller learning rate. Applied to the matrices.
-LION_LR_RATIO = 0.1
 
 
 def matrix_state_bytes(optimizer: optax.GradientTransformation, params: Any) -> int:
