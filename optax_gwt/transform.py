@@ -613,6 +613,10 @@ def scale_by_gwt(
             detail_factor = 1 / bc1 if bias_correct_details else one
         first = state.count == 0
 
+        # Built-in Adam with Haar: the whole update in one fused full-size expression
+        # of G and the new moments (`kernels.haar_adam_update`).
+        fused_haar = reference and rule == "adam" and detail_clip is None
+        mu = treedef.flatten_up_to(base_state.mu) if fused_haar else None
         out, norm_prev = [], []
         for i, (g, spec, n_upd, r_prev) in enumerate(
             zip(grads, specs, base_out, treedef.flatten_up_to(state.norm_prev))
@@ -629,6 +633,15 @@ def scale_by_gwt(
                 r = jnp.sqrt(_sq_norm(n_upd))
                 lam = jnp.where(first, 1.0, jnp.maximum(r / (r_prev + 1e-8), norm_growth_limit) / norm_growth_limit)
                 new_r = (r / lam).astype(r_prev.dtype)
+            cdt = _compute_dtype(g.dtype)
+            if fused_haar and spec.closed_form and mu[i].dtype == approx.dtype:
+                u = kernels.haar_adam_update(
+                    rest[0], approx, mu[i], nu[i], axis=spec.axis, block=spec.block, eps=eps,
+                    approx_factor=step_factor / lam, detail_factor=detail_factor / lam,
+                )
+                out.append((u * jnp.asarray(scale, cdt)).astype(g.dtype))
+                norm_prev.append(new_r)
+                continue
             n_upd = n_upd * (step_factor / lam).astype(n_upd.dtype)
             if rule == "adam":
                 v = nu[i].astype(_scalar_dtype(nu[i]))
