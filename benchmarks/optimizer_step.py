@@ -311,7 +311,15 @@ def main(argv=None):
     parser.add_argument("--inner", type=int, default=2, help="steps per timed run")
     parser.add_argument("--no-shapes", action="store_true", help="skip the single-matrix shape study")
     parser.add_argument("--out", default="benchmarks/results/optimizer_step")
+    parser.add_argument("--readme", default=None, help="also put the Markdown between the performance-table markers of this file")
+    parser.add_argument("--render", default=None, metavar="JSON", help="only re-render a saved JSON report (to --readme)")
     args = parser.parse_args(argv)
+    if args.render:
+        report = json.loads(Path(args.render).read_text())
+        print(markdown(report))
+        if args.readme:
+            replace_between_markers(Path(args.readme), markdown(report))
+        return
 
     names = args.optimizers.split(",")
     scopes = ["model", "matrices"] if args.scope == "both" else [args.scope]
@@ -358,6 +366,20 @@ def main(argv=None):
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     out.with_suffix(".md").write_text(markdown(report))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    if args.readme:
+        replace_between_markers(Path(args.readme), markdown(report))
+        print(f"updated {args.readme}")
+
+
+START_MARKER = "<!-- performance-table:start (written by python -m benchmarks.optimizer_step --readme) -->"
+END_MARKER = "<!-- performance-table:end -->"
+
+
+def replace_between_markers(path: Path, text: str) -> None:
+    """Replaces what lies between `START_MARKER` and `END_MARKER` in `path` with `text`."""
+    doc = path.read_text()
+    start, end = doc.index(START_MARKER) + len(START_MARKER), doc.index(END_MARKER)
+    path.write_text(doc[:start] + "\n" + text + doc[end:])
 
 
 if __name__ == "__main__":
