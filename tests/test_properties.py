@@ -111,7 +111,7 @@ def test_gwt_state_and_update_shapes_or_a_clear_error(shape_axis, level, wavelet
     assert np.all(np.isfinite(np.asarray(u["p"], np.float32)))
 
 
-@settings(max_examples=25, **SETTINGS)
+@settings(max_examples=15, **SETTINGS)
 @given(
     arrays_along_an_axis(max_rank=3).filter(lambda sa: len(sa[0]) >= 2),
     st.integers(1, 3),
