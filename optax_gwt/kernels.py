@@ -33,15 +33,17 @@ def block_sums(x: jax.Array, axis: int, block: int) -> jax.Array:
       ``sum(x[i * B : (i + 1) * B])`` along that axis.
     """
     n = x.shape[axis]
-    padded = -(-n // block) * block
-    if padded != n:
-        pad = [(0, 0, 0)] * x.ndim
-        pad[axis] = (0, padded - n, 0)
-        x = jax.lax.pad(x, jnp.zeros([], x.dtype), pad)
-    parts = [jax.lax.slice_in_dim(x, k, padded, stride=block, axis=axis) for k in range(block)]
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
+    blocks = -(-n // block)
+    total = None
+    for k in range(min(block, n)):
+        part = jax.lax.slice_in_dim(x, k, n, stride=block, axis=axis)
+        if part.shape[axis] != blocks:
+            # The last block is short: pad this per-block slice, not the full-size x
+            # (a padded copy of x would be materialised, as several fusions read it).
+            pad = [(0, 0, 0)] * x.ndim
+            pad[axis] = (0, blocks - part.shape[axis], 0)
+            part = jax.lax.pad(part, jnp.zeros([], x.dtype), pad)
+        total = part if total is None else total + part
     return total
 
 
