@@ -318,6 +318,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.render:
         report = json.loads(Path(args.render).read_text())
+        if report.get("kernel_note"):
+            report["kernel_note"] = KERNEL_NOTE  # interpretation, not a measurement: the current text
         print(markdown(report))
         if args.readme:
             replace_between_markers(Path(args.readme), markdown(report))
