@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["block_sums", "repeat_blocks"]
+__all__ = ["block_sums", "repeat_blocks", "gather_axis", "reshard_like"]
 
 
 def block_sums(x: jax.Array, axis: int, block: int) -> jax.Array:
@@ -47,6 +47,41 @@ def block_sums(x: jax.Array, axis: int, block: int) -> jax.Array:
     return total
 
 
+def _explicit_sharding(x: jax.Array):
+    """`x`'s sharding when it lives on a mesh with explicit axes (then ops that
+    change a sharded axis's length must be told the output's sharding), else None."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    axis_types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    if any(t == jax.sharding.AxisType.Explicit for t in axis_types):
+        return sharding
+    return None
+
+
+def gather_axis(x: jax.Array, axis: int) -> jax.Array:
+    """`x` with `axis` unsharded, when it lives on a mesh of explicit axes.
+
+    Under explicit sharding, ops that change the length of a sharded axis (the
+    wavelet transform's pads, strided slices and repeats) must be told how to
+    shard an output whose length may not divide by the mesh: gathering the
+    transform axis first (what XLA does by itself under automatic sharding)
+    keeps GWT correct for any length. Other axes keep their sharding.
+    """
+    sharding = _explicit_sharding(x)
+    if sharding is None or sharding.spec[axis:axis + 1] in ((), (None,)):
+        return x
+    spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
+    spec[axis] = None
+    return jax.sharding.reshard(x, jax.sharding.PartitionSpec(*spec))
+
+
+def reshard_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """`x` resharded to `like`'s explicit sharding (a no-op outside explicit meshes)."""
+    sharding = _explicit_sharding(like)
+    if sharding is None or _explicit_sharding(x) == sharding:
+        return x
+    return jax.sharding.reshard(x, sharding.spec)
+
+
 def repeat_blocks(x: jax.Array, axis: int, block: int, length: int) -> jax.Array:
     """Each entry of `x` along `axis` repeated `block` times in place, cut to `length`.
 
@@ -54,7 +89,7 @@ def repeat_blocks(x: jax.Array, axis: int, block: int, length: int) -> jax.Array
     entries along `axis`, returns an array with `length` entries along it whose
     entry ``j`` is ``x[j // B]``.
     """
-    out = jnp.repeat(x, block, axis=axis)
+    out = jnp.repeat(x, block, axis=axis, out_sharding=_explicit_sharding(x))
     if out.shape[axis] != length:
         out = jax.lax.slice_in_dim(out, 0, length, axis=axis)
     return out

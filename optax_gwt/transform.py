@@ -382,9 +382,15 @@ def _sq_norm(x: jax.Array) -> jax.Array:
 
 def _find_second_moment(state: Any, treedef) -> Any:
     """The first ``nu`` field in a (nested) optimizer state whose tree matches `treedef`."""
-    if isinstance(state, tuple) and hasattr(state, "_fields") and "nu" in state._fields:
-        if jax.tree_util.tree_structure(state.nu) == treedef:
-            return state.nu
+    return _find_field(state, "nu", treedef)
+
+
+def _find_field(state: Any, field: str, treedef) -> Any:
+    """The first `field` of a NamedTuple in a (nested) optimizer state whose tree matches `treedef`."""
+    if isinstance(state, tuple) and hasattr(state, "_fields") and field in state._fields:
+        value = getattr(state, field)
+        if jax.tree_util.tree_structure(value) == treedef:
+            return value
     if isinstance(state, (tuple, list)):
         children = state
     elif isinstance(state, dict):
@@ -392,7 +398,7 @@ def _find_second_moment(state: Any, treedef) -> Any:
     else:
         return None
     for child in children:
-        found = _find_second_moment(child, treedef)
+        found = _find_field(child, field, treedef)
         if found is not None:
             return found
     return None
@@ -577,8 +583,10 @@ def scale_by_gwt(
             )
         grads = treedef.flatten_up_to(updates)
         count = optax.safe_increment(state.count)
-        projected = [(g, None) if s is None else _project_leaf(g, s) for g, s in zip(grads, specs)]
-        base_in = treedef.unflatten([p[0].astype(g.dtype) for p, g in zip(projected, grads)])
+        projected = [(g, None) if s is None else _project_leaf(kernels.gather_axis(g, s.axis), s) for g, s in zip(grads, specs)]
+        base_in = treedef.unflatten(
+            [kernels.reshard_like(p[0].astype(g.dtype), m) for p, g, m in zip(projected, grads, _first_moment_or(state.base_state, treedef, grads))]
+        )
         # A base that reads params (for their shapes, or an RMS as in Adafactor) sees
         # the params' approximation; XLA drops this when the base does not use it.
         base_params = None
@@ -639,7 +647,7 @@ def scale_by_gwt(
                     rest[0], approx, mu[i], nu[i], axis=spec.axis, block=spec.block, eps=eps,
                     approx_factor=step_factor / lam, detail_factor=detail_factor / lam,
                 )
-                out.append((u * jnp.asarray(scale, cdt)).astype(g.dtype))
+                out.append(kernels.reshard_like((u * jnp.asarray(scale, cdt)).astype(g.dtype), g))
                 norm_prev.append(new_r)
                 continue
             n_upd = n_upd * (step_factor / lam).astype(n_upd.dtype)
@@ -655,12 +663,22 @@ def scale_by_gwt(
                 weight = None
             cdt = _compute_dtype(g.dtype)
             u = _inverse_leaf(n_upd, rest, weight, spec, cdt, detail_clip)
-            out.append((u * jnp.asarray(scale, cdt)).astype(g.dtype))
+            out.append(kernels.reshard_like((u * jnp.asarray(scale, cdt)).astype(g.dtype), g))
             norm_prev.append(new_r)
         new_state = GWTState(count=count, base_state=base_state, norm_prev=treedef.unflatten(norm_prev))
         return treedef.unflatten(out), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _first_moment_or(base_state: Any, treedef, default: list) -> list:
+    """Per leaf, the base state's array that the approximation meets first (a
+    moment of its shape, for its sharding), else the leaf of `default`."""
+    for field in ("mu", "nu"):
+        found = _find_field(base_state, field, treedef)
+        if found is not None:
+            return treedef.flatten_up_to(found)
+    return default
 
 
 def _shapes_match(a: Any, b: Any) -> bool:

@@ -1,0 +1,14 @@
+"""GWT on a mesh of explicit axes (jax.make_mesh's AxisType.Explicit), in a subprocess with 8 devices."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_explicit_mesh_equals_one_device():
+    script = Path(__file__).resolve().parent / "explicit_mesh_checks.py"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "explicit mesh checks passed" in proc.stdout
