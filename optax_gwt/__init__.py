@@ -4,7 +4,7 @@ Wen et al., "Breaking Memory Limits: Gradient Wavelet Transform Enhances LLMs
 Training", arXiv 2501.07237.
 """
 
-from optax_gwt import wavelets
+from optax_gwt import sharding, wavelets
 from optax_gwt.memory import StateBytes, optimizer_state_bytes
 from optax_gwt.transform import (
     DETAIL_RULES,
@@ -33,6 +33,7 @@ __all__ = [
     "optimizer_state_bytes",
     "scale_by_gwt",
     "scale_by_reference_adam",
+    "sharding",
     "wavelet_inverse",
     "wavelet_project",
     "wavedec",

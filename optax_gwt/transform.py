@@ -27,11 +27,9 @@ whenever it is exact (zero mode, or ``B`` divides ``n``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
