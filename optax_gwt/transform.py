@@ -134,7 +134,7 @@ class WaveletProjection:
             )
         if self.level < 1:
             raise ValueError(f"level must be >= 1, got {self.level}")
-        wavelets.get_wavelet(self.wavelet)
+        object.__setattr__(self, "wavelet", wavelets.get_wavelet(self.wavelet).name)
         wavelets._check_mode(self.mode)
         if self.min_dim_size is not None and not isinstance(self.min_dim_size, (int, np.integer)):
             raise TypeError(f"min_dim_size must be a static int or None, got {self.min_dim_size!r}")

@@ -87,9 +87,17 @@ class Wavelet:
         return f"Wavelet({self.name!r})"
 
 
+def get_wavelet(wavelet) -> Wavelet:
+    """The (cached) `Wavelet` of a PyWavelets name, `pywt.Wavelet` or `Wavelet`; raises on unknown names."""
+    if isinstance(wavelet, Wavelet):
+        return wavelet
+    if isinstance(wavelet, pywt.Wavelet):
+        wavelet = wavelet.name
+    return _wavelet_by_name(wavelet)
+
+
 @functools.lru_cache(maxsize=None)
-def get_wavelet(name: str) -> Wavelet:
-    """Returns the (cached) `Wavelet` of a PyWavelets name; raises on unknown names."""
+def _wavelet_by_name(name: str) -> Wavelet:
     return Wavelet(name)
 
 
@@ -109,7 +117,7 @@ def _dwt_len(n: int, f: int, mode: str) -> int:
     return (n + f - 1) // 2
 
 
-def coeff_lengths(length: int, wavelet: str, level: int, mode: str = "zero") -> list[int]:
+def coeff_lengths(length: int, wavelet: str, level: int, mode: str = "symmetric") -> list[int]:
     """Lengths of ``[cA_level, cD_level, ..., cD_1]`` for a signal of `length`."""
     _check_mode(mode)
     f = get_wavelet(wavelet).length
@@ -223,7 +231,7 @@ def _normalize_axis(axis: int, ndim: int) -> int:
     return axis % ndim
 
 
-def dwt(x: jax.Array, wavelet: str = "haar", mode: str = "zero", axis: int = -1) -> tuple[jax.Array, jax.Array]:
+def dwt(x: jax.Array, wavelet: str = "haar", mode: str = "symmetric", axis: int = -1) -> tuple[jax.Array, jax.Array]:
     """Single-level DWT along `axis`, as `pywt.dwt(x, wavelet, mode, axis=axis)`.
 
     Args:
@@ -288,7 +296,7 @@ def idwt(
     ca: jax.Array | None,
     cd: jax.Array | None,
     wavelet: str = "haar",
-    mode: str = "zero",
+    mode: str = "symmetric",
     axis: int = -1,
 ) -> jax.Array:
     """Single-level inverse DWT along `axis`, as `pywt.idwt(ca, cd, wavelet, mode, axis=axis)`.
@@ -338,7 +346,7 @@ def idwt(
 
 
 def wavedec(
-    x: jax.Array, wavelet: str = "haar", mode: str = "zero", level: int | None = None, axis: int = -1
+    x: jax.Array, wavelet: str = "haar", mode: str = "symmetric", level: int | None = None, axis: int = -1
 ) -> list[jax.Array]:
     """Multi-level DWT along `axis`, as `pywt.wavedec(x, wavelet, mode, level, axis)`.
 
@@ -361,7 +369,7 @@ def wavedec(
     return [a] + details[::-1]
 
 
-def waverec(coeffs: Sequence[jax.Array | None], wavelet: str = "haar", mode: str = "zero", axis: int = -1) -> jax.Array:
+def waverec(coeffs: Sequence[jax.Array | None], wavelet: str = "haar", mode: str = "symmetric", axis: int = -1) -> jax.Array:
     """Multi-level inverse DWT along `axis`, as `pywt.waverec(coeffs, wavelet, mode, axis)`.
 
     Args:

@@ -63,6 +63,15 @@ def test_other_modes_and_families(mode):
             np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-9, atol=1e-12, err_msg=f"{wavelet} {k}")
 
 
+def test_wavelet_given_as_pywt_object():
+    import pywt
+
+    kw = dict(level=2, mode="zero")
+    got, want, _ = _run_both(optax_gwt.gwt_adamw(1e-2, wavelet=pywt.Wavelet("db2"), **kw), ReferenceGWTAdamW(lr=1e-2, wavelet="db2", **kw), {"w": (21, 4)}, steps=3)
+    np.testing.assert_allclose(np.asarray(got["w"]), want["w"], rtol=1e-9, atol=1e-12)
+    assert optax_gwt.WaveletProjection(wavelet=pywt.Wavelet("haar")).wavelet == "haar"
+
+
 def test_last_axis_and_axis_spec():
     shapes = {"w": (5, 23), "v": (4, 12)}
     got, want, _ = _run_both(optax_gwt.gwt_adamw(1e-2, axis=-1), ReferenceGWTAdamW(lr=1e-2, axis=1), shapes)

@@ -68,6 +68,15 @@ def test_default_level_is_pywt_max_level():
     assert len(got) == len(ref) == wavelets.dwt_max_level(100, "db2") + 1
 
 
+def test_pywavelets_defaults_and_wavelet_objects():
+    x = np.random.default_rng(6).standard_normal((3, 21))
+    ref = pywt.wavedec(x, pywt.Wavelet("sym3"), level=2)  # pywt's default mode: symmetric, axis -1
+    got = wavelets.wavedec(jnp.asarray(x), pywt.Wavelet("sym3"), level=2)
+    for r, g in zip(ref, got):
+        np.testing.assert_allclose(np.asarray(g), r, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(wavelets.waverec(got, "sym3")), pywt.waverec(ref, "sym3"), rtol=1e-12, atol=1e-12)
+
+
 def test_single_level_and_partial_inverse():
     x = np.random.default_rng(4).standard_normal((5, 9))
     ca, cd = pywt.dwt(x, "db2", mode="reflect", axis=-1)
