@@ -48,6 +48,8 @@ __all__ = [
     "scale_by_gwt",
     "scale_by_reference_adam",
     "gwt_adamw",
+    "decay_weights_after_step",
+    "DecayAfterStepState",
 ]
 
 DETAIL_RULES = ("auto", "adam", "norm_ratio", "zero")
@@ -707,12 +709,13 @@ def gwt_adamw(
 ) -> optax.GradientTransformation:
     """GWT-AdamW, the optimizer of the paper (the authors' WaveAdamW).
 
-    ``p <- p - lr_t * (U + weight_decay * p)`` where ``U`` is `scale_by_gwt`'s
-    output with the reference Adam (every array of rank >= 2 transformed along
-    `axis`, the rest plain Adam with the same bias-corrected step). Weight
-    decay is decoupled and uses the full-size parameter before the step, as
-    `optax.adamw` does (the PyTorch original decays after the step, a
-    difference of order ``lr^2``). Each update has its gradient's dtype, also
+    ``p <- (p - lr_t * U) * (1 - lr_t * weight_decay)`` where ``U`` is
+    `scale_by_gwt`'s output with the reference Adam (every array of rank >= 2
+    transformed along `axis`, the rest plain Adam with the same bias-corrected
+    step). Weight decay is decoupled and uses the full-size parameter after the
+    step, exactly as the authors' PyTorch WaveAdamW (`decay_weights_after_step`;
+    `optax.adamw` decays the parameter before the step, a difference of order
+    ``lr^2``). Each update has its gradient's dtype, also
     under ``optax.inject_hyperparams`` (whose float32 hyperparameters would
     promote bfloat16 updates).
 
@@ -747,10 +750,43 @@ def gwt_adamw(
             nu_dtype=nu_dtype,
         )
     ]
-    if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
-        stages.append(optax.add_decayed_weights(weight_decay, mask))
     stages.append(optax.scale_by_learning_rate(learning_rate))
+    if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
+        decay = decay_weights_after_step(learning_rate, weight_decay)
+        stages.append(decay if mask is None else optax.masked(decay, mask))
     return _in_gradient_dtype(optax.chain(*stages))
+
+
+class DecayAfterStepState(NamedTuple):
+    """State of `decay_weights_after_step`: the step count, for a schedule."""
+
+    count: jax.Array
+
+
+def decay_weights_after_step(
+    learning_rate: optax.ScalarOrSchedule, weight_decay: float
+) -> optax.GradientTransformation:
+    """Decoupled weight decay applied to the stepped parameter, as PyTorch's AdamW does.
+
+    Placed after the learning-rate scaling: for an incoming update ``u`` (the
+    step ``p -> p + u``), returns ``u - lr_t * weight_decay * (p + u)``, so that
+    ``p_new = (p + u) * (1 - lr_t * weight_decay)``. (`optax.add_decayed_weights`
+    decays the parameter before the step instead; the two differ by
+    ``lr_t^2 * weight_decay * |U|``.)
+    """
+
+    def init_fn(params):
+        del params
+        return DecayAfterStepState(count=jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError("decay_weights_after_step needs the params: pass them to update().")
+        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        out = jax.tree_util.tree_map(lambda u, p: u - lr * weight_decay * (p + u), updates, params)
+        return out, DecayAfterStepState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformation(init_fn, update_fn)
 
 
 def _in_gradient_dtype(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:

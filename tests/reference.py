@@ -5,7 +5,7 @@ WaveAdamW, galore_torch/waveadamw.py): wavelet decomposition, Adam on the
 approximation without bias correction, the norm-growth limiter, details divided
 by the approximation's denominator (repeated in place per level), inverse
 transform cut to size times `scale`, and the bias-corrected step. Weight decay
-is decoupled and applied with the pre-step parameter, as optax.adamw does.
+is decoupled and applied to the stepped parameter, as in the PyTorch original.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class ReferenceGWTAdamW:
                 u = step_size * self._wave_update(g, st, t)
                 if not self.bias_correct_details:
                     u = u + self.lr * np.sqrt(1 - b2**t) * (1 - 1 / (1 - b1**t)) * self._details_only
-            new[name] = p - u - self.lr * self.weight_decay * p
+            # Decoupled weight decay on the stepped parameter, as the PyTorch original.
+            new[name] = (p - u) * (1 - self.lr * self.weight_decay)
         return new
 
     def _wave_update(self, g, st, t):

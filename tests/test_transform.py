@@ -54,6 +54,31 @@ def test_trajectory_equals_reference_float64(wavelet, mode, level):
         np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-9, atol=1e-12, err_msg=k)
 
 
+def test_schedule_and_weight_decay_after_the_step():
+    sched = optax.linear_schedule(1e-2, 4e-2, 5)
+    opt = optax_gwt.gwt_adamw(sched, weight_decay=0.5, level=2, wavelet="db2")
+    ref = ReferenceGWTAdamW(weight_decay=0.5, level=2, wavelet="db2")
+    params, rng = _problem(SHAPES)
+    want = {k: v.copy() for k, v in params.items()}
+    state, update = opt.init(params), jax.jit(opt.update)
+    for t in range(5):
+        grads = _grads(rng, params)
+        ref.lr = float(sched(jnp.asarray(t, jnp.int32)))  # the float32 value optax computes from its int32 count
+        want = ref.step(want, grads)
+        u, state = update(grads, state, params)
+        params = optax.apply_updates(params, u)
+    for k in want:
+        np.testing.assert_allclose(np.asarray(params[k]), want[k], rtol=1e-9, atol=1e-12, err_msg=k)
+    # A weight-decay mask leaves the masked-out params undecayed.
+    masked = optax_gwt.gwt_adamw(1e-2, weight_decay=0.5, mask={k: k != "bias" for k in SHAPES})
+    plain = optax_gwt.gwt_adamw(1e-2)
+    g = _grads(rng, params)
+    u1, _ = masked.update(g, masked.init(params), params)
+    u2, _ = plain.update(g, plain.init(params), params)
+    np.testing.assert_array_equal(u1["bias"], u2["bias"])
+    assert not np.allclose(u1["w"], u2["w"])
+
+
 @pytest.mark.parametrize("mode", ["periodization", "reflect", "periodic"])
 def test_other_modes_and_families(mode):
     for wavelet in ("haar", "sym3", "coif1"):
