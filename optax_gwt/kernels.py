@@ -13,6 +13,8 @@ but compiles, on XLA CPU, to a separate reduction pass and a slow strided loop.)
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 
@@ -74,8 +76,10 @@ def gather_axis(x: jax.Array, axis: int) -> jax.Array:
     return jax.sharding.reshard(x, jax.sharding.PartitionSpec(*spec))
 
 
-def reshard_like(x: jax.Array, like: jax.Array) -> jax.Array:
-    """`x` resharded to `like`'s explicit sharding (a no-op outside explicit meshes)."""
+def reshard_like(x: jax.Array, like: Optional[jax.Array]) -> jax.Array:
+    """`x` resharded to `like`'s explicit sharding (a no-op outside explicit meshes or for None)."""
+    if like is None:
+        return x
     sharding = _explicit_sharding(like)
     if sharding is None or _explicit_sharding(x) == sharding:
         return x

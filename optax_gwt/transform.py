@@ -585,7 +585,7 @@ def scale_by_gwt(
         count = optax.safe_increment(state.count)
         projected = [(g, None) if s is None else _project_leaf(kernels.gather_axis(g, s.axis), s) for g, s in zip(grads, specs)]
         base_in = treedef.unflatten(
-            [kernels.reshard_like(p[0].astype(g.dtype), m) for p, g, m in zip(projected, grads, _first_moment_or(state.base_state, treedef, grads))]
+            [kernels.reshard_like(p[0].astype(g.dtype), m) for p, g, m in zip(projected, grads, _base_moments(state.base_state, treedef))]
         )
         # A base that reads params (for their shapes, or an RMS as in Adafactor) sees
         # the params' approximation; XLA drops this when the base does not use it.
@@ -671,14 +671,14 @@ def scale_by_gwt(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _first_moment_or(base_state: Any, treedef, default: list) -> list:
-    """Per leaf, the base state's array that the approximation meets first (a
-    moment of its shape, for its sharding), else the leaf of `default`."""
+def _base_moments(base_state: Any, treedef) -> list:
+    """Per leaf, a moment of the base state (the approximation's shape and the
+    sharding it should meet), or None where the base keeps none."""
     for field in ("mu", "nu"):
         found = _find_field(base_state, field, treedef)
         if found is not None:
             return treedef.flatten_up_to(found)
-    return default
+    return [None] * treedef.num_leaves
 
 
 def _shapes_match(a: Any, b: Any) -> bool:
