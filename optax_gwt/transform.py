@@ -634,35 +634,32 @@ def scale_by_gwt(
                 norm_prev.append(r_prev)
                 continue
             approx, rest = projected[i]
-            n_upd = n_upd.astype(_compute_dtype(g.dtype))
+            cdt = _compute_dtype(g.dtype)
+            n_upd = n_upd.astype(cdt)
             if norm_growth_limit is None:
                 lam, new_r = one, r_prev
             else:
                 r = jnp.sqrt(_sq_norm(n_upd))
                 lam = jnp.where(first, 1.0, jnp.maximum(r / (r_prev + 1e-8), norm_growth_limit) / norm_growth_limit)
                 new_r = (r / lam).astype(r_prev.dtype)
-            cdt = _compute_dtype(g.dtype)
             if fused_haar and spec.closed_form and mu[i].dtype == approx.dtype:
                 u = kernels.haar_adam_update(
                     rest[0], approx, mu[i], nu[i], axis=spec.axis, block=spec.block, eps=eps,
                     approx_factor=step_factor / lam, detail_factor=detail_factor / lam,
                 )
-                out.append(kernels.reshard_like((u * jnp.asarray(scale, cdt)).astype(g.dtype), g))
-                norm_prev.append(new_r)
-                continue
-            n_upd = n_upd * (step_factor / lam).astype(n_upd.dtype)
-            if rule == "adam":
-                v = nu[i].astype(_scalar_dtype(nu[i]))
-                den = jnp.sqrt(v) + eps if reference else jnp.sqrt(v / bc2) + eps
-                weight = detail_factor / (den * lam)
-            elif rule == "norm_ratio":
-                a_norm = jnp.sqrt(_sq_norm(approx))
-                u_norm = jnp.sqrt(_sq_norm(n_upd))
-                weight = jnp.where(a_norm > 0, u_norm / jnp.where(a_norm > 0, a_norm, 1.0), 0.0)
             else:
-                weight = None
-            cdt = _compute_dtype(g.dtype)
-            u = _inverse_leaf(n_upd, rest, weight, spec, cdt, detail_clip)
+                n_upd = n_upd * (step_factor / lam).astype(n_upd.dtype)
+                if rule == "adam":
+                    v = nu[i].astype(_scalar_dtype(nu[i]))
+                    den = jnp.sqrt(v) + eps if reference else jnp.sqrt(v / bc2) + eps
+                    weight = detail_factor / (den * lam)
+                elif rule == "norm_ratio":
+                    a_norm = jnp.sqrt(_sq_norm(approx))
+                    u_norm = jnp.sqrt(_sq_norm(n_upd))
+                    weight = jnp.where(a_norm > 0, u_norm / jnp.where(a_norm > 0, a_norm, 1.0), 0.0)
+                else:
+                    weight = None
+                u = _inverse_leaf(n_upd, rest, weight, spec, cdt, detail_clip)
             out.append(kernels.reshard_like((u * jnp.asarray(scale, cdt)).astype(g.dtype), g))
             norm_prev.append(new_r)
         new_state = GWTState(count=count, base_state=base_state, norm_prev=treedef.unflatten(norm_prev))
