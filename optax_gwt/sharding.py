@@ -22,12 +22,12 @@ Layout rule, for every array of the state of ``optimizer.init(params)``:
 * everything else (step counts, the norm-growth limiter's scalars, schedules'
   hyperparameters, states of other ranks) is replicated.
 
-When the transform axis itself is sharded, GWT stays correct (XLA partitions
-the transform). With Haar the block form needs no communication as long as
-each device holds whole blocks (``2^level`` divides the local length); other
-wavelets then exchange boundary samples between neighbouring devices. The
-norm-growth limiter always reduces one scalar per matrix across the devices
-that hold a piece of it (as a global gradient norm does).
+When the transform axis itself is sharded, GWT stays correct, but the
+gradient is gathered along that axis for the transform (XLA does it under
+automatic sharding; on meshes of explicit axes `scale_by_gwt` reshards
+explicitly): `unsharded_axis` avoids that cost. The norm-growth limiter always
+reduces one scalar per matrix across the devices that hold a piece of it (as a
+global gradient norm does).
 """
 
 from __future__ import annotations

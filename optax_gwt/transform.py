@@ -149,7 +149,7 @@ class WaveletProjection:
           a level too deep for the axis, or a dtype that cannot be optimized.
         """
         leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        axes = self._axes(tree, treedef)
+        axes = self._axes(tree, leaves_with_path, treedef)
         selected = self._mask(tree, treedef)
         specs = []
         for (path, leaf), axis, sel in zip(leaves_with_path, axes, selected):
@@ -181,19 +181,18 @@ class WaveletProjection:
             specs.append(_LeafSpec(name, axis, n, self.level, self.wavelet, self.mode))
         return specs, treedef
 
-    def _axes(self, tree, treedef) -> list:
-        leaves_with_path = jax.tree_util.tree_flatten_with_path(tree)[0]
+    def _axes(self, tree, leaves_with_path, treedef) -> list:
         if self.axis is None or isinstance(self.axis, (int, np.integer)):
             return [None if self.axis is None or getattr(l, "ndim", 0) < 2 else self.axis for _, l in leaves_with_path]
         if callable(self.axis):
             return [self.axis(p, l) for p, l in leaves_with_path]
-        return _broadcast_prefix(self.axis, tree, "axis")
+        return _broadcast_prefix(self.axis, tree, treedef, "axis")
 
     def _mask(self, tree, treedef) -> list:
         if self.mask is None:
             return [True] * treedef.num_leaves
         mask = self.mask(tree) if callable(self.mask) else self.mask
-        return [bool(m) for m in _broadcast_prefix(mask, tree, "mask")]
+        return [bool(m) for m in _broadcast_prefix(mask, tree, treedef, "mask")]
 
 
 def _level_fits(n: int, level: int, wavelet: str, mode: str) -> bool:
@@ -201,30 +200,12 @@ def _level_fits(n: int, level: int, wavelet: str, mode: str) -> bool:
     return n >= 2**level and wavelets.coeff_lengths(n, wavelet, level, mode)[0] < n
 
 
-def _broadcast_prefix(prefix, tree, what: str) -> list:
-    """The value of `prefix` that covers each leaf of `tree`, in flattened order."""
+def _broadcast_prefix(prefix, tree, treedef, what: str) -> list:
+    """The value of `prefix` (None included) that covers each leaf of `tree`, in flattened order."""
     try:
-        per = jax.tree_util.tree_map(
-            lambda p, sub: _Leaf([p] * len(jax.tree_util.tree_leaves(sub))),
-            prefix,
-            tree,
-            is_leaf=lambda x: x is None,
-        )
+        return treedef.flatten_up_to(jax.tree.broadcast(prefix, tree, is_leaf=lambda x: x is None))
     except ValueError as e:
         raise ValueError(f"{what} must be a pytree prefix of the params: {e}") from None
-    out = []
-    for leaf in jax.tree_util.tree_leaves(per, is_leaf=lambda x: isinstance(x, _Leaf)):
-        out.extend(leaf.value)
-    return out
-
-
-class _Leaf:
-    """Wraps a value so that pytree utilities treat it as one leaf."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value):
-        self.value = value
 
 
 # ---------------------------------------------------------------------------
@@ -378,11 +359,6 @@ def _scalar_dtype(tree: Any) -> np.dtype:
 
 def _sq_norm(x: jax.Array) -> jax.Array:
     return jnp.sum(jnp.square(x.astype(_scalar_dtype(x))))
-
-
-def _find_second_moment(state: Any, treedef) -> Any:
-    """The first ``nu`` field in a (nested) optimizer state whose tree matches `treedef`."""
-    return _find_field(state, "nu", treedef)
 
 
 def _find_field(state: Any, field: str, treedef) -> Any:
@@ -597,7 +573,7 @@ def scale_by_gwt(
         base_out, base_state = base.update(base_in, state.base_state, base_params)
         base_out = treedef.flatten_up_to(base_out)
 
-        nu = _find_second_moment(base_state, treedef)
+        nu = _find_field(base_state, "nu", treedef)
         rule = detail_rule
         if rule == "auto":
             rule = "adam" if nu is not None and _shapes_match(nu, base_in) else "norm_ratio"

@@ -109,6 +109,12 @@ def test_last_axis_and_axis_spec():
     state = opt.init({"w": jnp.zeros((5, 23)), "v": jnp.zeros((4, 12))})
     assert state[0].base_state.mu["w"].shape == (5, 6)
     assert state[0].base_state.mu["v"].shape == (4, 12)
+    # A pytree prefix of axes: None leaves a whole subtree to plain Adam.
+    nested = {"a": {"w": jnp.zeros((8, 4)), "v": jnp.zeros((4, 8))}, "b": jnp.zeros((8, 8))}
+    mu = optax_gwt.gwt_adamw(1e-2, axis={"a": 1, "b": None}).init(nested)[0].base_state.mu
+    assert (mu["a"]["w"].shape, mu["a"]["v"].shape, mu["b"].shape) == ((8, 1), (4, 2), (8, 8))
+    with pytest.raises(ValueError, match="prefix of the params"):
+        optax_gwt.gwt_adamw(1e-2, axis={"zz": 1}).init(nested)
 
 
 def test_detail_bias_correction_off():
