@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_gwt import cpu_kernel as _cpu_kernel
 from optax_gwt import kernels, wavelets
 
 __all__ = [
@@ -475,6 +476,7 @@ def scale_by_gwt(
     min_dim_size: Optional[int] = None,
     mu_dtype: Optional[Any] = None,
     nu_dtype: Optional[Any] = None,
+    cpu_kernel: bool = True,
 ) -> optax.GradientTransformation:
     """The chain wavelet_project -> base optimizer -> wavelet_inverse, as one transform.
 
@@ -520,6 +522,14 @@ def scale_by_gwt(
       mu_dtype, nu_dtype: dtypes of the built-in Adam's first and second
         moments (None: the params' dtype). ``jnp.bfloat16`` for both halves
         the state of float32 params.
+      cpu_kernel: True (default): where it applies (the built-in Adam with
+        rule ``"adam"`` and no `detail_clip`, Haar in closed form, float32 or
+        float64 gradients and moments, the CPU backend with one device), the
+        moments and the limiter's norm come from the compiled kernel of
+        `optax_gwt.cpu_kernel` (one read of the gradient instead of three), if
+        it could be built. False: always the XLA path. Both compute the same
+        values; the kernel is not differentiable (set False to differentiate
+        through the update).
 
     Half-precision (bfloat16, float16) gradients are transformed, and the
     update computed, in float32; the base optimizer gets the approximation in
@@ -572,6 +582,13 @@ def scale_by_gwt(
             )
         base_out, base_state = base.update(base_in, state.base_state, base_params)
         base_out = treedef.flatten_up_to(base_out)
+        # Squared norms of the base outputs, for the limiter; the CPU kernel gives
+        # its own with the moments, and XLA drops the XLA moments it replaces.
+        sq_norms = [None if s is None else _sq_norm(u) for u, s in zip(base_out, specs)]
+        if reference and cpu_kernel and detail_rule in ("auto", "adam") and detail_clip is None:
+            base_state, sq_norms = _moments_on_cpu_kernel(
+                specs, projected, grads, state.base_state, base_state, sq_norms, treedef, b1=b1, b2=b2, eps=eps
+            )
 
         nu = _find_field(base_state, "nu", treedef)
         rule = detail_rule
@@ -601,23 +618,15 @@ def scale_by_gwt(
         # of G and the new moments (`kernels.haar_adam_update`).
         fused_haar = reference and rule == "adam" and detail_clip is None
         mu = treedef.flatten_up_to(base_state.mu) if fused_haar else None
-        out, norm_prev = [], []
-        for i, (g, spec, n_upd, r_prev) in enumerate(
-            zip(grads, specs, base_out, treedef.flatten_up_to(state.norm_prev))
-        ):
+        lams, norm_prev = _limit_norm_growth(sq_norms, treedef.flatten_up_to(state.norm_prev), norm_growth_limit, first, dt)
+        out = []
+        for i, (g, spec, n_upd, lam) in enumerate(zip(grads, specs, base_out, lams)):
             if spec is None:
                 out.append((n_upd * step_factor.astype(n_upd.dtype)) if reference else n_upd)
-                norm_prev.append(r_prev)
                 continue
             approx, rest = projected[i]
             cdt = _compute_dtype(g.dtype)
             n_upd = n_upd.astype(cdt)
-            if norm_growth_limit is None:
-                lam, new_r = one, r_prev
-            else:
-                r = jnp.sqrt(_sq_norm(n_upd))
-                lam = jnp.where(first, 1.0, jnp.maximum(r / (r_prev + 1e-8), norm_growth_limit) / norm_growth_limit)
-                new_r = (r / lam).astype(r_prev.dtype)
             if fused_haar and spec.closed_form and mu[i].dtype == approx.dtype:
                 u = kernels.haar_adam_update(
                     rest[0], approx, mu[i], nu[i], axis=spec.axis, block=spec.block, eps=eps,
@@ -637,11 +646,62 @@ def scale_by_gwt(
                     weight = None
                 u = _inverse_leaf(n_upd, rest, weight, spec, cdt, detail_clip)
             out.append(kernels.reshard_like((u * jnp.asarray(scale, cdt)).astype(g.dtype), g))
-            norm_prev.append(new_r)
         new_state = GWTState(count=count, base_state=base_state, norm_prev=treedef.unflatten(norm_prev))
         return treedef.unflatten(out), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _moments_on_cpu_kernel(specs, projected, grads, old_state, base_state, sq_norms, treedef, *, b1, b2, eps):
+    """`base_state` (the built-in Adam's, computed by XLA) and `sq_norms`, with
+    the moments and squared norms of the arrays where
+    `cpu_kernel.haar_adam_moments` applies replaced by the kernel's."""
+    mus, nus = treedef.flatten_up_to(old_state.mu), treedef.flatten_up_to(old_state.nu)
+    new_mu, new_nu = treedef.flatten_up_to(base_state.mu), treedef.flatten_up_to(base_state.nu)
+    sq_norms = list(sq_norms)
+    for i, spec in enumerate(specs):
+        if spec is None or not spec.closed_form:
+            continue
+        g = projected[i][1][0]
+        # (not for half-precision gradients, which the XLA path casts in its fusions)
+        if g.dtype == grads[i].dtype and _cpu_kernel.applies(g, mus[i], nus[i]):
+            new_mu[i], new_nu[i], sq_norms[i] = _cpu_kernel.haar_adam_moments(
+                g, mus[i], nus[i], axis=spec.axis, block=spec.block, b1=b1, b2=b2, eps=eps
+            )
+    return base_state._replace(mu=treedef.unflatten(new_mu), nu=treedef.unflatten(new_nu)), sq_norms
+
+
+def _limit_norm_growth(
+    sq_norms: list, r_prev: list, gamma: Optional[float], first: jax.Array, dtype
+) -> tuple[list, list]:
+    """The norm-growth limiter of every transformed array at once.
+
+    For each array ``k`` with the squared norm ``||N_k||^2`` of its
+    approximation's update (None where not transformed):
+    ``lam_k = max(||N_k|| / (r_prev_k + 1e-8), gamma) / gamma`` (1 on the first
+    step) and the new ``r_prev_k = ||N_k|| / lam_k``. The scalar math runs on one
+    stacked vector: XLA would otherwise compile each array's few scalar ops into
+    kernels of their own, hundreds of launches per step for a LLaMA model.
+
+    Returns:
+      ``(lam, new_r_prev)``: per array, the factor (None where not transformed)
+      and the new state scalar (the old one where not transformed).
+    """
+    index = [k for k, sq in enumerate(sq_norms) if sq is not None]
+    lam = [None] * len(sq_norms)
+    new_r = list(r_prev)
+    if not index:
+        return lam, new_r
+    if gamma is None:
+        return [None if sq is None else jnp.ones([], dtype) for sq in sq_norms], new_r
+    r = jnp.sqrt(jnp.stack([sq_norms[k].astype(dtype) for k in index]))
+    prev = jnp.stack([r_prev[k].astype(dtype) for k in index])
+    factor = jnp.where(first, 1.0, jnp.maximum(r / (prev + 1e-8), gamma) / gamma).astype(dtype)
+    stepped = r / factor
+    for j, k in enumerate(index):
+        lam[k] = factor[j]
+        new_r[k] = stepped[j].astype(r_prev[k].dtype)
+    return lam, new_r
 
 
 def _base_moments(base_state: Any, treedef) -> list:
@@ -679,6 +739,7 @@ def gwt_adamw(
     min_dim_size: Optional[int] = None,
     mu_dtype: Optional[Any] = None,
     nu_dtype: Optional[Any] = None,
+    cpu_kernel: bool = True,
 ) -> optax.GradientTransformation:
     """GWT-AdamW, the optimizer of the paper (the authors' WaveAdamW).
 
@@ -698,8 +759,8 @@ def gwt_adamw(
       weight_decay: decoupled weight decay.
       mask: which params weight decay applies to (as in `optax.adamw`).
       level, wavelet, mode, scale, norm_growth_limit, detail_rule,
-      bias_correct_details, detail_clip, axis, min_dim_size, mu_dtype, nu_dtype:
-        see `scale_by_gwt`.
+      bias_correct_details, detail_clip, axis, min_dim_size, mu_dtype, nu_dtype,
+      cpu_kernel: see `scale_by_gwt`.
       wavelet_mask: which params may be transformed (`scale_by_gwt`'s mask).
     """
     stages = [
@@ -721,6 +782,7 @@ def gwt_adamw(
             min_dim_size=min_dim_size,
             mu_dtype=mu_dtype,
             nu_dtype=nu_dtype,
+            cpu_kernel=cpu_kernel,
         )
     ]
     stages.append(optax.scale_by_learning_rate(learning_rate))
