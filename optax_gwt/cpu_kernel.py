@@ -57,8 +57,9 @@ def _build(compiler: str) -> Path:
     import jaxlib
 
     include = jax.ffi.include_dir()
+    flags = ["-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC"]
     key = hashlib.sha256(
-        b"\0".join(s.encode() for s in (_SOURCE.read_text(), jaxlib.__version__, compiler, _cpu_signature()))
+        b"\0".join(s.encode() for s in (_SOURCE.read_text(), jaxlib.__version__, compiler, *flags, _cpu_signature()))
     ).hexdigest()[:16]
     cache = Path(os.environ.get("OPTAX_GWT_CACHE_DIR", Path.home() / ".cache" / "optax_gwt"))
     target = cache / f"haar_adam_{key}.so"
@@ -67,8 +68,7 @@ def _build(compiler: str) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         out = Path(tmp) / target.name
-        cmd = [compiler, "-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC",
-               "-isystem", include, str(_SOURCE), "-o", str(out)]
+        cmd = [compiler, *flags, "-isystem", include, str(_SOURCE), "-o", str(out)]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         os.replace(out, target)  # atomic: concurrent builds leave one complete file
     return target
@@ -130,7 +130,11 @@ def haar_adam_moments(
     Returns:
       ``(m, v, sq)``: the new moments and a scalar, all in `g`'s dtype.
     """
+    if not available():
+        raise RuntimeError("optax_gwt.cpu_kernel is not available (see its module docstring); use the XLA path")
     dtype = jnp.dtype(g.dtype)
+    if dtype not in _TARGETS or {jnp.dtype(mu.dtype), jnp.dtype(nu.dtype)} != {dtype}:
+        raise TypeError(f"haar_adam_moments: g, mu and nu must all be float32 or all float64, got {g.dtype}, {mu.dtype}, {nu.dtype}")
     n = g.shape[axis]
     outer = math.prod(g.shape[:axis])
     inner = math.prod(g.shape[axis + 1 :])

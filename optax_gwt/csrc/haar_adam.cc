@@ -39,40 +39,64 @@ struct Job {
   T c[6];
 };
 
+// The moments of `w` consecutive approximation entries from `at` on, given
+// their block sums `a`; adds each entry's squared step to `acc`.
+template <typename T>
+inline void Moments(const Job<T>& job, const T* a, int64_t w, int64_t at, T* acc) {
+  const T one_minus_b1 = job.c[0], b1 = job.c[1], one_minus_b2 = job.c[2], b2 = job.c[3];
+  const T eps = job.c[4], scale = job.c[5];
+  const T* m_in = job.m_in + at;
+  const T* v_in = job.v_in + at;
+  T* m_out = job.m_out + at;
+  T* v_out = job.v_out + at;
+  for (int64_t j = 0; j < w; ++j) {
+    const T x = a[j] * scale;
+    const T m = one_minus_b1 * x + b1 * m_in[j];
+    const T v = one_minus_b2 * (x * x) + b2 * v_in[j];
+    m_out[j] = m;
+    v_out[j] = v;
+    const T u = m / (std::sqrt(v) + eps);
+    acc[j] += u * u;
+  }
+}
+
 // Block rows [begin, end) of the (outer * blocks) rows; returns their sum of squares.
 template <typename T>
 double RunRows(const Job<T>& job, int64_t begin, int64_t end) {
-  const T one_minus_b1 = job.c[0], b1 = job.c[1], one_minus_b2 = job.c[2], b2 = job.c[3];
-  const T eps = job.c[4], scale = job.c[5];
   T a[kTile];
   T acc[kTile];
   for (int64_t j = 0; j < kTile; ++j) acc[j] = 0;
-  for (int64_t r = begin; r < end; ++r) {
-    const int64_t o = r / job.blocks;
-    const int64_t row0 = (r % job.blocks) * job.block;
-    const int64_t rows = std::min(job.block, job.n - row0);
-    const T* g = job.g + (o * job.n + row0) * job.inner;
-    const int64_t base = r * job.inner;
-    for (int64_t j0 = 0; j0 < job.inner; j0 += kTile) {
-      const int64_t w = std::min(kTile, job.inner - j0);
-      const T* g0 = g + j0;
-      for (int64_t j = 0; j < w; ++j) a[j] = g0[j];
-      for (int64_t k = 1; k < rows; ++k) {
-        const T* gk = g0 + k * job.inner;
-        for (int64_t j = 0; j < w; ++j) a[j] += gk[j];
+  if (job.inner == 1) {
+    // The transform axis is the last one: a tile is consecutive blocks of one row.
+    for (int64_t r = begin; r < end;) {
+      const int64_t o = r / job.blocks, b = r % job.blocks;
+      const int64_t w = std::min({kTile, end - r, job.blocks - b});
+      const T* g = job.g + o * job.n;
+      for (int64_t t = 0; t < w; ++t) {
+        const int64_t row0 = (b + t) * job.block;
+        const int64_t rows = std::min(job.block, job.n - row0);
+        T sum = g[row0];
+        for (int64_t k = 1; k < rows; ++k) sum += g[row0 + k];
+        a[t] = sum;
       }
-      const T* m_in = job.m_in + base + j0;
-      const T* v_in = job.v_in + base + j0;
-      T* m_out = job.m_out + base + j0;
-      T* v_out = job.v_out + base + j0;
-      for (int64_t j = 0; j < w; ++j) {
-        const T x = a[j] * scale;
-        const T m = one_minus_b1 * x + b1 * m_in[j];
-        const T v = one_minus_b2 * (x * x) + b2 * v_in[j];
-        m_out[j] = m;
-        v_out[j] = v;
-        const T u = m / (std::sqrt(v) + eps);
-        acc[j] += u * u;
+      Moments(job, a, w, r, acc);
+      r += w;
+    }
+  } else {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t o = r / job.blocks;
+      const int64_t row0 = (r % job.blocks) * job.block;
+      const int64_t rows = std::min(job.block, job.n - row0);
+      const T* g = job.g + (o * job.n + row0) * job.inner;
+      for (int64_t j0 = 0; j0 < job.inner; j0 += kTile) {
+        const int64_t w = std::min(kTile, job.inner - j0);
+        const T* g0 = g + j0;
+        for (int64_t j = 0; j < w; ++j) a[j] = g0[j];
+        for (int64_t k = 1; k < rows; ++k) {
+          const T* gk = g0 + k * job.inner;
+          for (int64_t j = 0; j < w; ++j) a[j] += gk[j];
+        }
+        Moments(job, a, w, r * job.inner + j0, acc);
       }
     }
   }
@@ -83,13 +107,19 @@ double RunRows(const Job<T>& job, int64_t begin, int64_t end) {
 
 // Runs RunRows over all rows in chunks, on the caller and the pool's threads;
 // the chunks' sums are added in chunk order, so the result does not depend on
-// which thread ran what.
+// which thread ran what, nor on how many threads there are.
 template <typename T>
 double RunAll(const Job<T>& job, int64_t total_rows, ffi::ThreadPool& pool) {
   const int64_t rows_per_chunk = std::max<int64_t>(1, kChunkElements / std::max<int64_t>(1, job.inner * job.block));
   const int64_t chunks = (total_rows + rows_per_chunk - 1) / rows_per_chunk;
   const int64_t threads = std::min<int64_t>(pool.num_threads(), chunks - 1);
-  if (threads <= 0) return RunRows(job, 0, total_rows);
+  if (threads <= 0) {
+    double total = 0;
+    for (int64_t begin = 0; begin < total_rows; begin += rows_per_chunk) {
+      total += RunRows(job, begin, std::min(total_rows, begin + rows_per_chunk));
+    }
+    return total;
+  }
 
   struct Shared {
     std::atomic<int64_t> next{0};
