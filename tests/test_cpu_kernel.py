@@ -1,0 +1,314 @@
+"""The compiled CPU kernel (`optax_gwt.cpu_kernel`) against NumPy, and GWT with it against its XLA path.
+
+The kernel's moments and norm are checked against an independent NumPy
+computation of its formulas; whole `gwt_adamw` trajectories with the kernel
+against the XLA path (float32) and the NumPy reference of the algorithm
+(float64, `tests/reference.py`); the compiled step's HLO for the custom call
+and for the XLA moment computations it replaces; and the cases where the
+kernel must not be used.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_gwt
+from optax_gwt import cpu_kernel
+from reference import ReferenceGWTAdamW
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernel.available(),
+    reason="the optax_gwt CPU kernel could not be built here (no C++ compiler, or OPTAX_GWT_CPU_KERNEL=0)",
+)
+
+TARGET = {np.float32: "optax_gwt_haar_adam_moments_f32", np.float64: "optax_gwt_haar_adam_moments_f64"}
+B1, B2, EPS = 0.9, 0.999, 1e-6
+
+
+# ---------------------------------------------------------------------------
+# haar_adam_moments against NumPy.
+# ---------------------------------------------------------------------------
+
+
+def numpy_moments(g, mu, nu, *, axis, block, b1, b2, eps):
+    """The kernel's formulas in float64: zero-pad `axis` to a multiple of `block`, sum the blocks."""
+    g, mu, nu = (np.asarray(x, np.float64) for x in (g, mu, nu))
+    g = np.moveaxis(g, axis, 0)
+    blocks = -(-g.shape[0] // block)
+    padded = np.pad(g, [(0, blocks * block - g.shape[0])] + [(0, 0)] * (g.ndim - 1))
+    a = padded.reshape((blocks, block) + g.shape[1:]).sum(axis=1) / np.sqrt(block)
+    a = np.moveaxis(a, 0, axis)
+    m = (1 - b1) * a + b1 * mu
+    v = (1 - b2) * a * a + b2 * nu
+    return m, v, np.sum((m / (np.sqrt(v) + eps)) ** 2)
+
+
+def random_inputs(shape, axis, block, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    approx = list(shape)
+    approx[axis] = -(-shape[axis] // block)
+    g = rng.standard_normal(shape).astype(dtype)
+    mu = (0.3 * rng.standard_normal(approx)).astype(dtype)
+    nu = rng.uniform(0.01, 2.0, approx).astype(dtype)
+    return g, mu, nu
+
+
+def assert_moments_close(got, want, rtol):
+    """Elementwise relative to each array's scale (block sums can cancel), the norm relative to itself."""
+    (m, v, sq), (m_ref, v_ref, sq_ref) = got, want
+    for name, x, ref in (("m", m, m_ref), ("v", v, v_ref)):
+        assert x.shape == ref.shape, name
+        np.testing.assert_allclose(np.asarray(x, np.float64), ref, rtol=rtol, atol=rtol * np.abs(ref).max(), err_msg=name)
+    assert jnp.shape(sq) == ()
+    np.testing.assert_allclose(float(sq), sq_ref, rtol=rtol, err_msg="sq")
+
+
+# (shape, axis, block)
+CASES = [
+    ((37, 6), 0, 4),  # n not a multiple of B
+    ((3, 10), 0, 4),  # n < B: one short block
+    ((50, 37), 1, 4),  # last axis: inner = 1
+    ((16, 9), 0, 2),
+    ((64, 5), 0, 8),
+    ((4, 21, 6), 1, 8),  # middle axis of a 3-D array, outer > 1
+    ((3, 4, 21, 5), 2, 2),  # middle axis of a 4-D array
+    ((2, 19, 3, 7), 1, 4),
+    ((24, 1000), 0, 4),  # inner not a multiple of the kernel's 256-column tile
+    ((5, 37, 600), 1, 4),  # several work chunks whose bounds cut through an outer index
+    ((2048, 1024), 0, 4),  # split over the thread pool
+]
+
+
+@pytest.mark.parametrize("shape,axis,block", CASES, ids=[f"{s}-ax{a}-B{b}" for s, a, b in CASES])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_moments_equal_numpy(shape, axis, block, dtype, x64):
+    g, mu, nu = random_inputs(shape, axis, block, dtype)
+    got = cpu_kernel.haar_adam_moments(
+        jnp.asarray(g), jnp.asarray(mu), jnp.asarray(nu), axis=axis, block=block, b1=B1, b2=B2, eps=EPS
+    )
+    assert all(x.dtype == dtype for x in got)
+    want = numpy_moments(g, mu, nu, axis=axis, block=block, b1=B1, b2=B2, eps=EPS)
+    assert_moments_close(got, want, rtol=1e-6 if dtype == np.float32 else 1e-12)
+
+
+def test_inputs_are_not_overwritten():
+    # mu and nu alias the outputs in the custom call; without donation XLA must copy them.
+    g, mu, nu = random_inputs((37, 6), 0, 4, np.float32)
+    jg, jmu, jnu = jnp.asarray(g), jnp.asarray(mu), jnp.asarray(nu)
+    m, v, _ = cpu_kernel.haar_adam_moments(jg, jmu, jnu, axis=0, block=4, b1=B1, b2=B2, eps=EPS)
+    assert not np.allclose(m, mu) and not np.allclose(v, nu)
+    np.testing.assert_array_equal(jmu, mu)
+    np.testing.assert_array_equal(jnu, nu)
+    np.testing.assert_array_equal(jg, g)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_traced_hyperparameters(dtype, x64):
+    g, mu, nu = random_inputs((37, 300), 0, 8, dtype, seed=1)
+
+    @jax.jit
+    def f(g, mu, nu, b1, b2, eps):
+        return cpu_kernel.haar_adam_moments(g, mu, nu, axis=0, block=8, b1=b1, b2=b2, eps=eps)
+
+    for b1, b2, eps in [(0.9, 0.999, 1e-6), (0.5, 0.9, 1e-3), (0.0, 0.0, 1e-8)]:
+        got = f(g, mu, nu, jnp.asarray(b1, dtype), jnp.asarray(b2, dtype), jnp.asarray(eps, dtype))
+        # The traced ``1 - b`` is computed in `dtype`, so compare with b rounded to it.
+        b1r, b2r, epsr = (float(np.asarray(x, dtype)) for x in (b1, b2, eps))
+        want = numpy_moments(g, mu, nu, axis=0, block=8, b1=b1r, b2=b2r, eps=epsr)
+        assert_moments_close(got, want, rtol=1e-6 if dtype == np.float32 else 1e-12)
+    assert f._cache_size() == 1  # one trace for all the values
+
+
+def test_vmap_equals_per_example():
+    batch, axis, block = 3, 1, 4
+    gs, mus, nus = zip(*(random_inputs((5, 37, 11), axis, block, np.float32, seed=s) for s in range(batch)))
+    g, mu, nu = (jnp.asarray(np.stack(x)) for x in (gs, mus, nus))
+
+    def moments(g, mu, nu):
+        return cpu_kernel.haar_adam_moments(g, mu, nu, axis=axis, block=block, b1=B1, b2=B2, eps=EPS)
+
+    m, v, sq = jax.jit(jax.vmap(moments))(g, mu, nu)
+    assert m.shape == mu.shape and v.shape == nu.shape and sq.shape == (batch,)
+    for i in range(batch):
+        one = moments(g[i], mu[i], nu[i])
+        np.testing.assert_array_equal(m[i], one[0])
+        np.testing.assert_array_equal(v[i], one[1])
+        np.testing.assert_array_equal(sq[i], one[2])
+        want = numpy_moments(gs[i], mus[i], nus[i], axis=axis, block=block, b1=B1, b2=B2, eps=EPS)
+        assert_moments_close((m[i], v[i], sq[i]), want, rtol=1e-6)
+    # Unbatched moments are shared by every example.
+    m2, v2, sq2 = jax.vmap(moments, in_axes=(0, None, None))(g, mu[0], nu[0])
+    for i in range(batch):
+        want = numpy_moments(gs[i], mus[0], nus[0], axis=axis, block=block, b1=B1, b2=B2, eps=EPS)
+        assert_moments_close((m2[i], v2[i], sq2[i]), want, rtol=1e-6)
+
+
+def test_applies_only_to_float32_and_float64_of_one_dtype():
+    def arrays(*dtypes):
+        return [jnp.zeros((8, 4), d) for d in dtypes]
+
+    assert cpu_kernel.applies(*arrays(jnp.float32, jnp.float32, jnp.float32))
+    assert not cpu_kernel.applies(*arrays(jnp.bfloat16, jnp.bfloat16, jnp.bfloat16))
+    assert not cpu_kernel.applies(*arrays(jnp.float16, jnp.float16, jnp.float16))
+    assert not cpu_kernel.applies(*arrays(jnp.float32, jnp.bfloat16, jnp.float32))
+    with jax.enable_x64(True):
+        assert cpu_kernel.applies(*arrays(jnp.float64, jnp.float64, jnp.float64))
+        assert not cpu_kernel.applies(*arrays(jnp.float64, jnp.float32, jnp.float32))
+
+
+# ---------------------------------------------------------------------------
+# gwt_adamw with the kernel.
+# ---------------------------------------------------------------------------
+
+SHAPES = {"w": (37, 6), "v": (16, 5), "t": (8, 3, 4), "bias": (7,)}
+MATRICES = [k for k, s in SHAPES.items() if len(s) >= 2]
+
+
+def make_params(dtype, seed=0, shapes=SHAPES):
+    rng = np.random.default_rng(seed)
+    return {k: jnp.asarray(rng.standard_normal(s).astype(dtype)) for k, s in shapes.items()}, rng
+
+
+def make_grads(rng, params):
+    # A changing scale so that the norm-growth limiter acts on some steps.
+    scale = rng.uniform(0.2, 5.0)
+    return {k: jnp.asarray((scale * rng.standard_normal(p.shape)).astype(p.dtype)) for k, p in params.items()}
+
+
+def train_step(opt):
+    def step(params, state, grads):
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def run(opt, params, rng, steps=6, on_step=None):
+    """`steps` jitted steps on random gradients; returns the params, the state, the last lowered step's text."""
+    step = jax.jit(train_step(opt))
+    state = opt.init(params)
+    for _ in range(steps):
+        grads = make_grads(rng, params)
+        if on_step is not None:
+            on_step(params, grads)
+        text = step.lower(params, state, grads).as_text()
+        params, state = step(params, state, grads)
+    return params, state, text
+
+
+def custom_calls(text, dtype=np.float32):
+    """Number of calls to the kernel in lowered (StableHLO) or compiled (HLO) text."""
+    return len(re.findall(rf'custom_call @{TARGET[dtype]}\b|custom_call_target="{TARGET[dtype]}"', text))
+
+
+def any_custom_call(text):
+    return custom_calls(text, np.float32) + custom_calls(text, np.float64)
+
+
+def assert_trajectories_close(got, want, start, rtol):
+    """Close relative to how far the params moved (the quantity the step computes)."""
+    for k in want:
+        moved = np.abs(np.asarray(want[k], np.float64) - np.asarray(start[k], np.float64)).max()
+        assert moved > 0, k
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=0, atol=rtol * moved, err_msg=k)
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_trajectory_float32_equals_xla_path(level):
+    start, _ = make_params(np.float32)
+    out = {}
+    for flag in (True, False):
+        opt = optax_gwt.gwt_adamw(3e-2, weight_decay=0.1, level=level, cpu_kernel=flag)
+        out[flag] = run(opt, start, np.random.default_rng(1))
+    (p_kernel, s_kernel, text_kernel), (p_xla, s_xla, text_xla) = out[True], out[False]
+    assert custom_calls(text_kernel) == len(MATRICES)
+    assert any_custom_call(text_xla) == 0
+    assert_trajectories_close(p_kernel, p_xla, start, rtol=1e-5)
+    # The state the kernel wrote: the approximation's moments and the limiter's norms.
+    gwt_kernel, gwt_xla = s_kernel[0], s_xla[0]
+    for k in MATRICES:
+        for field in ("mu", "nu"):
+            x, ref = getattr(gwt_kernel.base_state, field)[k], getattr(gwt_xla.base_state, field)[k]
+            np.testing.assert_allclose(x, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max(), err_msg=f"{field}[{k}]")
+        np.testing.assert_allclose(gwt_kernel.norm_prev[k], gwt_xla.norm_prev[k], rtol=1e-5, err_msg=k)
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_trajectory_float64_equals_reference(level, x64):
+    start, rng = make_params(np.float64)
+    opt = optax_gwt.gwt_adamw(3e-2, weight_decay=0.1, level=level)
+    ref = ReferenceGWTAdamW(lr=3e-2, weight_decay=0.1, level=level)
+    want = {k: np.asarray(p) for k, p in start.items()}
+
+    def reference_step(params, grads):
+        nonlocal want
+        want = ref.step(want, {k: np.asarray(g) for k, g in grads.items()})
+
+    got, _, text = run(opt, start, rng, on_step=reference_step)
+    assert custom_calls(text, np.float64) == len(MATRICES)
+    for k in want:
+        np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-9, atol=1e-12, err_msg=k)
+
+
+# ---------------------------------------------------------------------------
+# The compiled step keeps none of XLA's moment computations.
+# ---------------------------------------------------------------------------
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
+
+
+def entry_instructions(hlo_text):
+    """(name, result type, opcode, operand names or parameter number) of each instruction of the entry computation."""
+    lines = hlo_text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("ENTRY"))
+    out = []
+    for line in lines[start + 1 :]:
+        if line.startswith("}"):
+            break
+        match = _INSTRUCTION.match(line)
+        if match:
+            name, result, opcode, rest = match.groups()
+            if opcode == "parameter":
+                operands = int(re.match(r"\d+", rest).group())
+            else:
+                operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+            out.append((name, result, opcode, operands))
+    return out
+
+
+def compiled_step(cpu_kernel_flag, params):
+    """The entry instructions of the compiled donated train step, and the parameter number of the first gradient."""
+    opt = optax_gwt.gwt_adamw(1e-2, weight_decay=0.1, level=2, cpu_kernel=cpu_kernel_flag)
+    state = opt.init(params)
+    step = jax.jit(train_step(opt), donate_argnums=(0, 1), keep_unused=True)
+    text = step.lower(params, state, params).compile().as_text()
+    return text, entry_instructions(text), len(jax.tree_util.tree_leaves((params, state)))
+
+
+def test_compiled_step_keeps_no_xla_moments():
+    params, _ = make_params(np.float32)
+    readers, approx_producers = {}, {}
+    for flag in (True, False):
+        text, instructions, first_grad = compiled_step(flag, params)
+        assert custom_calls(text) == (len(MATRICES) if flag else 0)
+        parameters = {number: name for name, _, opcode, number in instructions if opcode == "parameter"}
+        for i, k in enumerate(sorted(params)):  # the order of a dict's leaves
+            grad = parameters[first_grad + i]
+            readers[flag, k] = sorted(o for _, _, o, ops in instructions if o != "parameter" and grad in ops)
+            approx = (-(-SHAPES[k][0] // 4),) + SHAPES[k][1:]
+            approx_type = f"f32[{','.join(map(str, approx))}]"
+            approx_producers[flag, k] = [
+                o for _, r, o, _ in instructions if r.startswith(approx_type) and o not in ("parameter", "get-tuple-element")
+            ]
+    for k in MATRICES:
+        # With the kernel: one custom call for the moments and the norm, one fusion for the update.
+        assert readers[True, k] == ["custom-call", "fusion"], (k, readers[True, k])
+        # XLA's path reads the gradient in more places (m, v and the update) ...
+        assert len(readers[False, k]) > len(readers[True, k]), (k, readers[False, k])
+        # ... and computes the moments in fusions, which the kernel's program no longer has.
+        assert approx_producers[False, k], k
+        assert approx_producers[True, k] == [], (k, approx_producers[True, k])
