@@ -8,6 +8,7 @@ and for the XLA moment computations it replaces; and the cases where the
 kernel must not be used.
 """
 
+import functools
 import re
 
 import jax
@@ -62,7 +63,8 @@ def assert_moments_close(got, want, rtol):
     (m, v, sq), (m_ref, v_ref, sq_ref) = got, want
     for name, x, ref in (("m", m, m_ref), ("v", v, v_ref)):
         assert x.shape == ref.shape, name
-        np.testing.assert_allclose(np.asarray(x, np.float64), ref, rtol=rtol, atol=rtol * np.abs(ref).max(), err_msg=name)
+        atol = rtol * np.abs(ref).max()
+        np.testing.assert_allclose(np.asarray(x, np.float64), ref, rtol=rtol, atol=atol, err_msg=name)
     assert jnp.shape(sq) == ()
     np.testing.assert_allclose(float(sq), sq_ref, rtol=rtol, err_msg="sq")
 
@@ -72,6 +74,9 @@ CASES = [
     ((37, 6), 0, 4),  # n not a multiple of B
     ((3, 10), 0, 4),  # n < B: one short block
     ((50, 37), 1, 4),  # last axis: inner = 1
+    ((6, 2101), 1, 4),  # last axis, more blocks per row than a tile
+    ((40, 3001), 1, 2),  # last axis, work chunks that end within a row
+    ((4099,), 0, 8),  # 1-D
     ((16, 9), 0, 2),
     ((64, 5), 0, 8),
     ((4, 21, 6), 1, 8),  # middle axis of a 3-D array, outer > 1
@@ -120,7 +125,6 @@ def test_traced_hyperparameters(dtype, x64):
         b1r, b2r, epsr = (float(np.asarray(x, dtype)) for x in (b1, b2, eps))
         want = numpy_moments(g, mu, nu, axis=0, block=8, b1=b1r, b2=b2r, eps=epsr)
         assert_moments_close(got, want, rtol=1e-6 if dtype == np.float32 else 1e-12)
-    assert f._cache_size() == 1  # one trace for all the values
 
 
 def test_vmap_equals_per_example():
@@ -145,6 +149,14 @@ def test_vmap_equals_per_example():
     for i in range(batch):
         want = numpy_moments(gs[i], mus[0], nus[0], axis=axis, block=block, b1=B1, b2=B2, eps=EPS)
         assert_moments_close((m2[i], v2[i], sq2[i]), want, rtol=1e-6)
+
+
+def test_wrong_dtypes_are_refused():
+    g, mu, nu = (jnp.asarray(x) for x in random_inputs((16, 4), 0, 4, np.float32))
+    half = [x.astype(jnp.bfloat16) for x in (g, mu, nu)]
+    for args in [half, (g, half[1], nu)]:
+        with pytest.raises(TypeError, match="float32 or all float64"):
+            cpu_kernel.haar_adam_moments(*args, axis=0, block=4, b1=B1, b2=B2, eps=EPS)
 
 
 def test_applies_only_to_float32_and_float64_of_one_dtype():
@@ -188,14 +200,15 @@ def train_step(opt):
 
 
 def run(opt, params, rng, steps=6, on_step=None):
-    """`steps` jitted steps on random gradients; returns the params, the state, the last lowered step's text."""
+    """`steps` jitted steps on random gradients; returns the params, the state and the lowered step's text."""
     step = jax.jit(train_step(opt))
     state = opt.init(params)
-    for _ in range(steps):
+    for i in range(steps):
         grads = make_grads(rng, params)
         if on_step is not None:
             on_step(params, grads)
-        text = step.lower(params, state, grads).as_text()
+        if i == 0:
+            text = step.lower(params, state, grads).as_text()
         params, state = step(params, state, grads)
     return params, state, text
 
@@ -210,11 +223,14 @@ def any_custom_call(text):
 
 
 def assert_trajectories_close(got, want, start, rtol):
-    """Close relative to how far the params moved (the quantity the step computes)."""
+    """Close relative to how far the params moved (the quantity the step computes), for
+    half-precision params up to one rounding of the param."""
     for k in want:
-        moved = np.abs(np.asarray(want[k], np.float64) - np.asarray(start[k], np.float64)).max()
+        x, ref = (np.asarray(t[k], np.float64) for t in (got, want))
+        moved = np.abs(ref - np.asarray(start[k], np.float64)).max()
         assert moved > 0, k
-        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=0, atol=rtol * moved, err_msg=k)
+        rounding = 0.0 if want[k].dtype in (jnp.float32, jnp.float64) else float(jnp.finfo(want[k].dtype).eps)
+        np.testing.assert_allclose(x, ref, rtol=rounding, atol=rtol * moved, err_msg=k)
 
 
 @pytest.mark.parametrize("level", [1, 2, 3])
@@ -248,10 +264,16 @@ def test_trajectory_float64_equals_reference(level, x64):
         nonlocal want
         want = ref.step(want, {k: np.asarray(g) for k, g in grads.items()})
 
-    got, _, text = run(opt, start, rng, on_step=reference_step)
+    got, state, text = run(opt, start, rng, on_step=reference_step)
     assert custom_calls(text, np.float64) == len(MATRICES)
     for k in want:
         np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-9, atol=1e-12, err_msg=k)
+    # The state the kernel wrote: the approximation's moments and the limiter's norm.
+    gwt = state[0]
+    for k in MATRICES:
+        np.testing.assert_allclose(gwt.base_state.mu[k], ref.state[k]["m"], rtol=1e-9, atol=1e-12, err_msg=k)
+        np.testing.assert_allclose(gwt.base_state.nu[k], ref.state[k]["v"], rtol=1e-9, atol=1e-12, err_msg=k)
+        np.testing.assert_allclose(gwt.norm_prev[k], ref.state[k]["r"], rtol=1e-9, err_msg=k)
 
 
 # ---------------------------------------------------------------------------
@@ -302,7 +324,8 @@ def test_compiled_step_keeps_no_xla_moments():
             approx = (-(-SHAPES[k][0] // 4),) + SHAPES[k][1:]
             approx_type = f"f32[{','.join(map(str, approx))}]"
             approx_producers[flag, k] = [
-                o for _, r, o, _ in instructions if r.startswith(approx_type) and o not in ("parameter", "get-tuple-element")
+                o for _, r, o, _ in instructions
+                if r.startswith(approx_type) and o not in ("parameter", "get-tuple-element")
             ]
     for k in MATRICES:
         # With the kernel: one custom call for the moments and the norm, one fusion for the update.
@@ -312,3 +335,75 @@ def test_compiled_step_keeps_no_xla_moments():
         # ... and computes the moments in fusions, which the kernel's program no longer has.
         assert approx_producers[False, k], k
         assert approx_producers[True, k] == [], (k, approx_producers[True, k])
+
+
+# ---------------------------------------------------------------------------
+# Where the kernel is not used.
+# ---------------------------------------------------------------------------
+
+
+def test_disabled_by_environment_falls_back_to_xla(monkeypatch):
+    start, _ = make_params(np.float32)
+    make_opt = functools.partial(optax_gwt.gwt_adamw, 3e-2, weight_decay=0.1)
+    want, _, _ = run(make_opt(cpu_kernel=False), start, np.random.default_rng(1), steps=3)
+    with monkeypatch.context() as env:
+        env.setenv("OPTAX_GWT_CPU_KERNEL", "0")
+        cpu_kernel.available.cache_clear()
+        try:
+            assert not cpu_kernel.available()
+            x = jnp.ones((8, 4))
+            assert not cpu_kernel.applies(x, x, x)
+            with pytest.raises(RuntimeError, match="not available"):
+                cpu_kernel.haar_adam_moments(x, x, x, axis=0, block=4, b1=B1, b2=B2, eps=EPS)
+            got, _, text = run(make_opt(), start, np.random.default_rng(1), steps=3)
+        finally:
+            cpu_kernel.available.cache_clear()  # recomputed with the environment restored
+    assert any_custom_call(text) == 0
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    assert cpu_kernel.available()  # restored for the other tests
+
+
+def kernel_calls_and_agreement(make_opt, params, steps=3):
+    """The kernel's custom calls in the step of ``make_opt(cpu_kernel=True)``; asserts it equals the XLA path."""
+    got, _, text = run(make_opt(cpu_kernel=True), params, np.random.default_rng(2), steps)
+    want, _, text_xla = run(make_opt(cpu_kernel=False), params, np.random.default_rng(2), steps)
+    assert any_custom_call(text_xla) == 0
+    assert_trajectories_close(got, want, params, rtol=1e-5)
+    return any_custom_call(text)
+
+
+NOT_APPLIED = {
+    "bfloat16 mu": {"mu_dtype": jnp.bfloat16},
+    "bfloat16 nu": {"nu_dtype": jnp.bfloat16},
+    "db2": {"wavelet": "db2"},
+    "haar with boundary effects": {"mode": "symmetric"},  # 37 is not a multiple of 4
+    "detail_clip": {"detail_clip": 2.0},
+    "norm_ratio": {"detail_rule": "norm_ratio"},
+}
+
+
+@pytest.mark.parametrize("options", NOT_APPLIED.values(), ids=NOT_APPLIED.keys())
+def test_not_applied(options):
+    params, _ = make_params(np.float32, shapes={"w": (37, 6), "bias": (7,)})
+    make_opt = functools.partial(optax_gwt.gwt_adamw, 3e-2, weight_decay=0.1, **options)
+    assert kernel_calls_and_agreement(make_opt, params) == 0
+
+
+def test_given_base_optimizer_does_not_use_the_kernel():
+    params, _ = make_params(np.float32, shapes={"w": (37, 6)})
+    make_opt = functools.partial(optax_gwt.scale_by_gwt, optax.scale_by_adam())
+    assert kernel_calls_and_agreement(make_opt, params) == 0
+
+
+def test_bfloat16_gradients_skip_the_kernel_per_array():
+    # A bfloat16 matrix is left to XLA, a float32 one next to it still uses the kernel.
+    params, _ = make_params(np.float32, shapes={"w": (37, 6), "h": (16, 5), "bias": (7,)})
+    params["h"] = params["h"].astype(jnp.bfloat16)
+    make_opt = functools.partial(optax_gwt.gwt_adamw, 3e-2, weight_decay=0.1)
+    assert kernel_calls_and_agreement(make_opt, params) == 1
+    params["w"] = params["w"].astype(jnp.bfloat16)
+    assert kernel_calls_and_agreement(make_opt, params) == 0
+    # Also with float32 moments: the kernel would need a float32 copy of the gradient.
+    make_opt = functools.partial(make_opt, mu_dtype=jnp.float32, nu_dtype=jnp.float32)
+    assert kernel_calls_and_agreement(make_opt, params) == 0
