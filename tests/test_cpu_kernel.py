@@ -380,6 +380,7 @@ NOT_APPLIED = {
     "haar with boundary effects": {"mode": "symmetric"},  # 37 is not a multiple of 4
     "detail_clip": {"detail_clip": 2.0},
     "norm_ratio": {"detail_rule": "norm_ratio"},
+    "no limiter": {"norm_growth_limit": None},  # XLA alone is as fast there (see scale_by_gwt)
 }
 
 
