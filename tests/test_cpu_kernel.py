@@ -9,7 +9,10 @@ kernel must not be used.
 """
 
 import functools
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -408,3 +411,33 @@ def test_bfloat16_gradients_skip_the_kernel_per_array():
     # Also with float32 moments: the kernel would need a float32 copy of the gradient.
     make_opt = functools.partial(make_opt, mu_dtype=jnp.float32, nu_dtype=jnp.float32)
     assert kernel_calls_and_agreement(make_opt, params) == 0
+
+
+# ---------------------------------------------------------------------------
+# The result does not depend on the number of threads.
+# ---------------------------------------------------------------------------
+
+_SQ_SCRIPT = """
+import jax, numpy as np, jax.numpy as jnp
+jax.config.update("jax_enable_x64", True)
+from optax_gwt import cpu_kernel
+rng = np.random.default_rng(3)
+g, mu = rng.standard_normal((2048, 1024)), rng.standard_normal((512, 1024))
+nu = rng.uniform(0.01, 2.0, (512, 1024))
+for dtype in (np.float32, np.float64):
+    m, v, sq = cpu_kernel.haar_adam_moments(
+        *(jnp.asarray(x, dtype) for x in (g, mu, nu)), axis=0, block=4, b1=0.9, b2=0.999, eps=1e-6
+    )
+    print(float(sq).hex(), float(np.asarray(m, np.float64).sum()).hex())
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2+ CPUs, Linux")
+def test_one_thread_gives_identical_bits():
+    # The norm is summed per fixed chunk, in chunk order: a process pinned to one
+    # CPU (where XLA's thread pool, which the kernel uses, has one thread) must
+    # give the same bits as one with several.
+    pinned = "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+    run = lambda script: subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    several, one = run(_SQ_SCRIPT), run(pinned + _SQ_SCRIPT)
+    assert several.split() and several == one
