@@ -268,9 +268,10 @@ KERNEL_NOTE = (
     "reads G, P and the quarter-size m, v and writes P. The compiled kernel (optax_gwt.cpu_kernel, an XLA FFI "
     "custom call, used by default where it applies) makes the first three one pass that reads G once, updates "
     "m and v in place and returns the norm; the final pass stays in XLA, fused with the learning rate, weight "
-    "decay and apply_updates. What is left is the final pass's square root and division per element (the "
-    "per-block denominator is recomputed for each of the B rows: materialising it would cost a quarter-size "
-    "temporary per matrix)."
+    "decay and apply_updates. What is left is that final pass's arithmetic: it recomputes each block's mean "
+    "from G (B loads per element) and the square root and division per element, since materialising "
+    "per-block values would cost a quarter-size temporary per matrix, all alive at once; "
+    "`python -m benchmarks.final_pass` prices these parts."
 )
 
 
