@@ -4,7 +4,7 @@ Wen et al., "Breaking Memory Limits: Gradient Wavelet Transform Enhances LLMs
 Training", arXiv 2501.07237.
 """
 
-from optax_gwt import sharding, wavelets
+from optax_gwt import cpu_kernel, sharding, wavelets
 from optax_gwt.memory import StateBytes, optimizer_state_bytes
 from optax_gwt.transform import (
     DETAIL_RULES,
@@ -32,6 +32,7 @@ __all__ = [
     "Projected",
     "StateBytes",
     "WaveletProjection",
+    "cpu_kernel",
     "decay_weights_after_step",
     "gwt_adamw",
     "optimizer_state_bytes",
