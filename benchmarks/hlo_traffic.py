@@ -56,15 +56,34 @@ def _arrays(text: str) -> list[tuple[str, int]]:
     return out
 
 
-def _entry_lines(hlo_text: str) -> list[str]:
+class Instruction(NamedTuple):
+    """One instruction of an HLO computation, as written in its text."""
+
+    name: str
+    result_type: str
+    opcode: str
+    operands: list[str]  # names of the operand instructions
+    parameter: int | None  # the parameter number, for a ``parameter`` instruction
+
+
+def entry_instructions(hlo_text: str) -> list[Instruction]:
+    """The instructions of the entry computation of ``compiled.as_text()``, in order."""
     lines = hlo_text.splitlines()
     start = next(i for i, l in enumerate(lines) if l.startswith("ENTRY"))
-    body = []
+    out = []
     for line in lines[start + 1 :]:
         if line.startswith("}"):
             break
-        body.append(line)
-    return body
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, result_type, opcode, rest = m.groups()
+        if opcode == "parameter":
+            out.append(Instruction(name, result_type, opcode, [], int(re.match(r"\d+", rest).group())))
+        else:
+            operands = re.findall(r"%([\w.\-]+)", rest.split("),")[0] if ")," in rest else rest)
+            out.append(Instruction(name, result_type, opcode, operands, None))
+    return out
 
 
 def entry_traffic(hlo_text: str, full_sizes: Iterable[int]) -> Traffic:
@@ -77,19 +96,14 @@ def entry_traffic(hlo_text: str, full_sizes: Iterable[int]) -> Traffic:
     full = set(int(n) for n in full_sizes)
     shapes: dict[str, list[tuple[str, int]]] = {}
     ops = fusions = read = written = full_reads = full_writes = full_elems = 0
-    for line in _entry_lines(hlo_text):
-        m = _INSTR.match(line)
-        if not m:
+    for ins in entry_instructions(hlo_text):
+        result = _arrays(ins.result_type)
+        shapes[ins.name] = result
+        if ins.opcode in _FREE_OPS:
             continue
-        name, result_type, opcode, rest = m.groups()
-        result = _arrays(result_type)
-        shapes[name] = result
-        if opcode in _FREE_OPS:
-            continue
-        operand_names = re.findall(r"%([\w.\-]+)", rest.split("),")[0] if ")," in rest else rest)
         ops += 1
-        fusions += opcode == "fusion"
-        for op in operand_names:
+        fusions += ins.opcode == "fusion"
+        for op in ins.operands:
             for dtype, n in shapes.get(op, []):
                 read += n * _DTYPE_BYTES[dtype]
                 full_reads += n in full

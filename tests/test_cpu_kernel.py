@@ -21,6 +21,7 @@ import optax
 import pytest
 
 import optax_gwt
+from benchmarks.hlo_traffic import entry_instructions
 from optax_gwt import cpu_kernel
 from reference import ReferenceGWTAdamW
 
@@ -283,28 +284,6 @@ def test_trajectory_float64_equals_reference(level, x64):
 # The compiled step keeps none of XLA's moment computations.
 # ---------------------------------------------------------------------------
 
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
-
-
-def entry_instructions(hlo_text):
-    """(name, result type, opcode, operand names or parameter number) of each instruction of the entry computation."""
-    lines = hlo_text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("ENTRY"))
-    out = []
-    for line in lines[start + 1 :]:
-        if line.startswith("}"):
-            break
-        match = _INSTRUCTION.match(line)
-        if match:
-            name, result, opcode, rest = match.groups()
-            if opcode == "parameter":
-                operands = int(re.match(r"\d+", rest).group())
-            else:
-                operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
-            out.append((name, result, opcode, operands))
-    return out
-
-
 def compiled_step(cpu_kernel_flag, params):
     """The entry instructions of the compiled donated train step, and the parameter number of the first gradient."""
     opt = optax_gwt.gwt_adamw(1e-2, weight_decay=0.1, level=2, cpu_kernel=cpu_kernel_flag)
@@ -320,15 +299,15 @@ def test_compiled_step_keeps_no_xla_moments():
     for flag in (True, False):
         text, instructions, first_grad = compiled_step(flag, params)
         assert custom_calls(text) == (len(MATRICES) if flag else 0)
-        parameters = {number: name for name, _, opcode, number in instructions if opcode == "parameter"}
+        parameters = {i.parameter: i.name for i in instructions if i.opcode == "parameter"}
         for i, k in enumerate(sorted(params)):  # the order of a dict's leaves
             grad = parameters[first_grad + i]
-            readers[flag, k] = sorted(o for _, _, o, ops in instructions if o != "parameter" and grad in ops)
+            readers[flag, k] = sorted(i.opcode for i in instructions if grad in i.operands)
             approx = (-(-SHAPES[k][0] // 4),) + SHAPES[k][1:]
             approx_type = f"f32[{','.join(map(str, approx))}]"
             approx_producers[flag, k] = [
-                o for _, r, o, _ in instructions
-                if r.startswith(approx_type) and o not in ("parameter", "get-tuple-element")
+                i.opcode for i in instructions
+                if i.result_type.startswith(approx_type) and i.opcode not in ("parameter", "get-tuple-element")
             ]
     for k in MATRICES:
         # With the kernel: one custom call for the moments and the norm, one fusion for the update.
