@@ -4,22 +4,20 @@ Wen et al., "Breaking Memory Limits: Gradient Wavelet Transform Enhances LLMs
 Training", arXiv 2501.07237.
 """
 
-from optax_gwt import cpu_kernel, sharding, wavelets
+from optax_gwt import cpu_kernel, haar, sharding, wavelets
+from optax_gwt.adam import GWTBase, Preconditioner, adam_preconditioner, scale_by_reference_adam
 from optax_gwt.memory import StateBytes, optimizer_state_bytes
-from optax_gwt.transform import (
+from optax_gwt.projection import LeafSpec, WaveletCoefficients, WaveletProjection
+from optax_gwt.stages import (
     DETAIL_RULES,
-    STATIC_ARGS,
-    DecayAfterStepState,
-    GWTState,
-    Projected,
-    WaveletProjection,
-    decay_weights_after_step,
-    gwt_adamw,
-    scale_by_gwt,
-    scale_by_reference_adam,
+    LimitNormGrowthState,
+    OnApproximationState,
+    limit_norm_growth,
+    on_approximation,
     wavelet_inverse,
     wavelet_project,
 )
+from optax_gwt.transform import STATIC_ARGS, DecayAfterStepState, decay_weights_after_step, gwt_adamw, scale_by_gwt
 from optax_gwt.wavelets import waverec, wavedec
 
 __version__ = "0.1.0"
@@ -28,13 +26,21 @@ __all__ = [
     "DETAIL_RULES",
     "STATIC_ARGS",
     "DecayAfterStepState",
-    "GWTState",
-    "Projected",
+    "GWTBase",
+    "LeafSpec",
+    "LimitNormGrowthState",
+    "OnApproximationState",
+    "Preconditioner",
     "StateBytes",
+    "WaveletCoefficients",
     "WaveletProjection",
+    "adam_preconditioner",
     "cpu_kernel",
     "decay_weights_after_step",
     "gwt_adamw",
+    "haar",
+    "limit_norm_growth",
+    "on_approximation",
     "optimizer_state_bytes",
     "scale_by_gwt",
     "scale_by_reference_adam",

@@ -36,6 +36,7 @@ import math
 from typing import Any, Callable, Optional, Union
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -47,6 +48,9 @@ __all__ = [
     "state_shardings",
     "unsharded_axis",
     "per_device_bytes",
+    "zeros_following",
+    "follow",
+    "gather_axis",
 ]
 
 Mesh = Union[jax.sharding.Mesh, jax.sharding.AbstractMesh]
@@ -212,3 +216,91 @@ def per_device_bytes(tree: Any, specs: Any, mesh: Mesh) -> int:
         shard = [-(-n // _mesh_size(e, mesh)) for n, e in zip(leaf.shape, entries)]
         total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
     return int(total)
+
+
+# ---------------------------------------------------------------------------
+# Arrays that follow a parameter's sharding (used by the GWT stages).
+# ---------------------------------------------------------------------------
+
+
+def _explicit_sharding(x: Any) -> Optional[NamedSharding]:
+    """`x`'s sharding when it lives on a mesh with explicit axes (then ops that
+    change a sharded axis's length must be told the output's sharding), else None."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    axis_types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    if any(t == jax.sharding.AxisType.Explicit for t in axis_types):
+        return sharding
+    return None
+
+
+def _named_sharding_of(x: Any) -> Optional[NamedSharding]:
+    """The `NamedSharding` of a concrete array, or of a traced one on an explicit mesh; else None."""
+    if isinstance(x, jax.core.Tracer):
+        return _explicit_sharding(x)
+    sharding = getattr(x, "sharding", None)
+    return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def _following(shape: tuple, param: Any) -> Optional[NamedSharding]:
+    """The sharding an array of `shape` derived from `param` gets (the module docstring's rule)."""
+    sharding = _named_sharding_of(param)
+    if sharding is None:
+        return None
+    spec = _derive_spec(tuple(shape), tuple(param.shape), sharding.spec, sharding.mesh)
+    return NamedSharding(sharding.mesh, spec)
+
+
+def zeros_following(param: Any, shape: tuple, dtype: Any) -> jax.Array:
+    """Zeros of `shape` laid out like `param`, as an optimizer state derived from it.
+
+    A parameter sharded over a mesh gives zeros sharded by the module
+    docstring's rule (replicated along a compressed axis the mesh does not
+    divide, and for scalars); a parameter on one device gives zeros on that
+    device. This is what makes an eager ``tx.init(params)`` (as
+    ``nnx.Optimizer`` calls it) spread the compressed moments over the mesh
+    instead of leaving them on the default device.
+    """
+    sharding = _following(shape, param)
+    if sharding is not None:
+        if isinstance(param, jax.core.Tracer):
+            return jnp.zeros(shape, dtype, out_sharding=sharding)
+        return jnp.zeros(shape, dtype, device=sharding)
+    device = getattr(param, "sharding", None)
+    if isinstance(device, jax.sharding.SingleDeviceSharding) and not isinstance(param, jax.core.Tracer):
+        return jnp.zeros(shape, dtype, device=device)
+    return jnp.zeros(shape, dtype)
+
+
+def follow(x: jax.Array, param: jax.Array) -> jax.Array:
+    """`x` (derived from `param`, e.g. its approximation) resharded as `zeros_following`
+    lays it out, on meshes of explicit axes; a no-op elsewhere (XLA propagates)."""
+    if _explicit_sharding(param) is None:
+        return x
+    target = _following(x.shape, param)
+    if _explicit_sharding(x) == target:
+        return x
+    return jax.sharding.reshard(x, target.spec)
+
+
+def gather_axis(x: jax.Array, axis: int) -> jax.Array:
+    """`x` with `axis` unsharded, when it lives on a mesh of explicit axes.
+
+    Under explicit sharding, ops that change the length of a sharded axis (the
+    wavelet transform's pads, strided slices and repeats) must be told how to
+    shard an output whose length may not divide by the mesh: gathering the
+    transform axis first (what XLA does by itself under automatic sharding)
+    keeps GWT correct for any length. Other axes keep their sharding.
+    """
+    sharding = _explicit_sharding(x)
+    if sharding is None or sharding.spec[axis:axis + 1] in ((), (None,)):
+        return x
+    spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
+    spec[axis] = None
+    return jax.sharding.reshard(x, PartitionSpec(*spec))
+
+
+def reshard_to(x: jax.Array, sharding: Optional[NamedSharding]) -> jax.Array:
+    """`x` resharded to `sharding` on a mesh of explicit axes (a no-op for None, or if it is there)."""
+    if sharding is None or _explicit_sharding(x) == sharding:
+        return x
+    return jax.sharding.reshard(x, sharding.spec)

@@ -1,0 +1,198 @@
+"""Adam as GWT's base optimizer, and what GWT's detail rule needs to know of an Adam.
+
+The one Adam of this package is `scale_by_reference_adam`, the form of the
+authors' WaveAdamW (Hugging Face's AdamW: eps added to the uncorrected
+``sqrt(v)``). `adam_preconditioner` reads the denominator of any Adam whose
+state is an `optax.ScaleByAdamState` (this one's, or `optax.scale_by_adam`'s),
+for the ``"adam"`` detail rule of `wavelet_inverse`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_gwt import cpu_kernel as _cpu_kernel
+
+__all__ = ["Preconditioner", "GWTBase", "adam_preconditioner", "scale_by_reference_adam"]
+
+
+class Preconditioner(NamedTuple):
+    """What a base optimizer's step did to the approximation, for the detail rule.
+
+    Attributes:
+      denominator: a pytree like the base's params (the approximation), of its
+        per-coefficient denominators ``sqrt(v_hat) + eps`` in bias-corrected units.
+      momentum_correction: ``1 / (1 - b1^t)``, the first moment's bias correction.
+      step_scale: the scalar the base multiplied its step by that the
+        norm-growth limiter does not see (the reference Adam's
+        ``sqrt(1 - b2^t) / (1 - b1^t)``; 1 for `optax.scale_by_adam`).
+    """
+
+    denominator: Any
+    momentum_correction: jax.Array
+    step_scale: jax.Array
+
+
+class GWTBase(NamedTuple):
+    """A `GradientTransformationExtraArgs` that also states its `Preconditioner`.
+
+    `on_approximation` reads ``preconditioner(new_state)`` after each step and
+    passes ``haar_signals`` (per leaf, the full gradient in Haar closed form,
+    or None) to ``update``, which may compute its moments from it directly.
+    """
+
+    init: optax.TransformInitFn
+    update: Callable[..., tuple[Any, optax.OptState]]
+    preconditioner: Callable[[optax.OptState], Optional[Preconditioner]]
+
+
+def _scalar_dtype(tree: Any) -> np.dtype:
+    """float32, or float64 if the arrays of `tree` hold it."""
+    dtype = np.dtype(np.float32)
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if jnp.issubdtype(jnp.dtype(leaf.dtype), jnp.inexact):
+            dtype = jnp.promote_types(dtype, jnp.finfo(leaf.dtype).dtype)
+    return dtype
+
+
+def _adam_state(state: Any) -> Optional[optax.ScaleByAdamState]:
+    """The one `optax.ScaleByAdamState` in a (nested) optimizer state, or None."""
+    found = [
+        s for s in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+        if isinstance(s, optax.ScaleByAdamState)
+    ]
+    if len(found) > 1:
+        raise ValueError(f"adam_preconditioner: the base state holds {len(found)} Adam states; pass preconditioner= explicitly")
+    return found[0] if found else None
+
+
+def adam_preconditioner(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, reference: bool = False, bias_correction: bool = True
+) -> Callable[[optax.OptState], Optional[Preconditioner]]:
+    """The `Preconditioner` of an Adam base, read from its `optax.ScaleByAdamState`.
+
+    With ``t`` the state's count, ``bc1 = 1 - b1^t`` and ``bc2 = 1 - b2^t``
+    (both 1 without `bias_correction`):
+
+    * `optax.scale_by_adam` (``reference=False``): ``denominator =
+      sqrt(nu / bc2) + eps``, ``step_scale = 1``;
+    * `scale_by_reference_adam` (``reference=True``): its step
+      ``sqrt(bc2) / bc1 * mu / (sqrt(nu) + eps)`` has ``denominator =
+      (sqrt(nu) + eps) / sqrt(bc2)`` and ``step_scale = sqrt(bc2) / bc1``;
+
+    and ``momentum_correction = 1 / bc1``. Pass the base's own `b1`, `b2`,
+    `eps`. A state without an Adam state gives None (no ``"adam"`` rule).
+
+    Example:
+      >>> import optax, optax_gwt
+      >>> pre = optax_gwt.adam_preconditioner(eps=1e-6)
+      >>> base = optax.scale_by_adam(eps=1e-6)
+      >>> tx = optax_gwt.on_approximation(base, preconditioner=pre)
+    """
+
+    def read(state: optax.OptState) -> Optional[Preconditioner]:
+        adam = _adam_state(state)
+        if adam is None:
+            return None
+        dt = _scalar_dtype(adam.nu)
+        t = adam.count.astype(dt)
+        bc1 = 1 - jnp.asarray(b1, dt) ** t if bias_correction else jnp.ones([], dt)
+        bc2 = 1 - jnp.asarray(b2, dt) ** t if bias_correction else jnp.ones([], dt)
+        if reference:
+            den = lambda v: (jnp.sqrt(v.astype(dt)) + eps) / jnp.sqrt(bc2)
+            step_scale = jnp.sqrt(bc2) / bc1
+        else:
+            den = lambda v: jnp.sqrt(v.astype(dt) / bc2) + eps
+            step_scale = jnp.ones([], dt)
+        return Preconditioner(jax.tree_util.tree_map(den, adam.nu), 1 / bc1, step_scale)
+
+    return read
+
+
+def _moment(g: jax.Array, prev: jax.Array, decay: float, order: int) -> jax.Array:
+    """``decay * prev + (1 - decay) * g^order``, in float32 at least."""
+    dt = jnp.promote_types(jnp.promote_types(g.dtype, jnp.float32), jnp.promote_types(prev.dtype, jnp.float32))
+    g = g.astype(dt)
+    return (1 - decay) * (g if order == 1 else jnp.square(g)) + decay * prev.astype(dt)
+
+
+def scale_by_reference_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    mu_dtype: Optional[Any] = None,
+    bias_correction: bool = True,
+    nu_dtype: Optional[Any] = None,
+    cpu_kernel: bool = False,
+) -> GWTBase:
+    """Adam in the form of the GWT reference (Hugging Face's AdamW).
+
+    ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2`` and the output is
+    ``c_t * m / (sqrt(v) + eps)`` with ``c_t = sqrt(1 - b2^t) / (1 - b1^t)``
+    (``c_t = 1`` when `bias_correction` is False). It differs from
+    `optax.scale_by_adam` only in where eps enters: here it is added to the
+    uncorrected ``sqrt(v)`` (Kingma & Ba's "efficient" ordering). The state is
+    `optax.ScaleByAdamState`: ``mu`` in `mu_dtype`, ``nu`` in `nu_dtype` (None:
+    the params' dtype). Moments and output are computed in float32 at least,
+    then cast: the output to the updates' dtype, the moments to their dtype.
+
+    Args:
+      b1, b2, eps, bias_correction: Adam's constants, as above.
+      mu_dtype, nu_dtype: the moments' dtypes.
+      cpu_kernel: as GWT's base (`on_approximation`), compute the moments of a
+        Haar approximation from its full gradient with the compiled kernel of
+        `optax_gwt.cpu_kernel` (one read of the gradient) where it applies;
+        the same values as the XLA formula up to float rounding.
+
+    Returns:
+      A `GWTBase` (an Optax transformation that states its `Preconditioner`).
+
+    References:
+      Kingma & Ba, "Adam: A Method for Stochastic Optimization", arXiv 1412.6980.
+
+    Example:
+      >>> import jax.numpy as jnp, optax_gwt
+      >>> adam = optax_gwt.scale_by_reference_adam(eps=1e-6)
+      >>> state = adam.init({"w": jnp.zeros(3)})
+      >>> out, state = adam.update({"w": jnp.array([1.0, -2.0, 0.0])}, state)
+      >>> [round(float(x), 3) for x in out["w"]]
+      [0.316, -0.316, 0.0]
+    """
+    mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+    nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
+
+    def init_fn(params):
+        mu = optax.tree.zeros_like(params, dtype=mu_dtype)
+        nu = optax.tree.zeros_like(params, dtype=nu_dtype)
+        return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
+
+    def moments(g, m, v, signal):
+        if cpu_kernel and signal is not None and _cpu_kernel.applies(signal[0], m, v):
+            gradient, axis, block = signal
+            new_m, new_v, _ = _cpu_kernel.haar_adam_moments(gradient, m, v, axis=axis, block=block, b1=b1, b2=b2, eps=eps)
+            return new_m, new_v
+        return _moment(g, m, b1, 1), _moment(g, v, b2, 2)
+
+    def update_fn(updates, state, params=None, *, haar_signals=None, **extra_args):
+        del params, extra_args
+        count = optax.safe_increment(state.count)
+        signals = haar_signals if haar_signals is not None else jax.tree.map(lambda _: None, updates)
+        new = jax.tree.map(moments, updates, state.mu, state.nu, signals, is_leaf=lambda x: x is None)
+        mu = jax.tree.map(lambda _, x: x[0], updates, new)
+        nu = jax.tree.map(lambda _, x: x[1], updates, new)
+        factor = 1.0
+        if bias_correction:
+            t = count.astype(_scalar_dtype(updates))
+            factor = jnp.sqrt(1 - b2**t) / (1 - b1**t)
+        out = jax.tree.map(lambda m, v, g: (factor * m / (jnp.sqrt(v) + eps)).astype(g.dtype), mu, nu, updates)
+        mu = jax.tree.map(lambda m, old: m.astype(old.dtype), mu, state.mu)
+        nu = jax.tree.map(lambda v, old: v.astype(old.dtype), nu, state.nu)
+        return out, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+    precond = adam_preconditioner(b1, b2, eps, reference=True, bias_correction=bias_correction)
+    return GWTBase(init_fn, update_fn, precond)

@@ -1,0 +1,321 @@
+"""Which arrays GWT transforms, the coefficients it carries, and the per-array DWT.
+
+`WaveletProjection` says which arrays of a pytree are wavelet-transformed and
+how (`LeafSpec` per array). Between the stages `wavelet_project` and
+`wavelet_inverse` of a GWT chain, each transformed array travels as a
+`WaveletCoefficients` node: its approximation (the part the base optimizer
+sees), its details, and what the stages in between learn about it.
+`project_leaf` and `inverse_leaf` are the per-array DWT and inverse DWT; for
+Haar without boundary effects they use the closed form of `optax_gwt.haar`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_gwt import haar, wavelets
+from optax_gwt import sharding as sharding_lib
+
+__all__ = ["LeafSpec", "WaveletProjection", "WaveletCoefficients", "project_leaf", "inverse_leaf"]
+
+AxisSpec = Union[None, int, Callable[[tuple, jax.Array], Optional[int]], Any]
+MaskSpec = Union[None, Any, Callable[[Any], Any]]
+
+
+# ---------------------------------------------------------------------------
+# Which parameters are transformed, along which axis.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+    """How one array is transformed: static, hashable.
+
+    Attributes:
+      path: the array's path in its pytree (``jax.tree_util.keystr``).
+      shape, dtype: the full-size array's shape and dtype name.
+      axis: the (non-negative) transform axis; ``length`` is ``shape[axis]``.
+      level, wavelet, mode: the DWT.
+    """
+
+    path: str
+    shape: tuple
+    dtype: str
+    axis: int
+    level: int
+    wavelet: str
+    mode: str
+
+    @property
+    def length(self) -> int:
+        return self.shape[self.axis]
+
+    @property
+    def block(self) -> int:
+        return 2**self.level
+
+    @property
+    def closed_form(self) -> bool:
+        """Haar with no boundary effect: the block formula is exact."""
+        return self.wavelet == "haar" and (self.mode == "zero" or self.length % self.block == 0)
+
+    @property
+    def approx_shape(self) -> tuple[int, ...]:
+        """The approximation's shape: ``shape`` with the transform axis compressed."""
+        n = wavelets.coeff_lengths(self.length, self.wavelet, self.level, self.mode)[0]
+        return self.shape[: self.axis] + (n,) + self.shape[self.axis + 1 :]
+
+
+def _is_array_like(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+@dataclasses.dataclass(frozen=True)
+class WaveletProjection:
+    """Which arrays of a pytree are wavelet-transformed, and how.
+
+    Attributes:
+      level: number of DWT levels (>= 1); the optimizer state of a transformed
+        array keeps ``1 / 2^level`` of it along the axis.
+      wavelet: PyWavelets name: ``"haar"``, ``"dbN"``, ``"symN"``, ``"coifN"``.
+      mode: boundary mode (see `optax_gwt.wavelets.MODES`).
+      axis: the transform axis. An int applies to every array of rank >= 2
+        (default 0: the input axis of a Flax kernel, ``(in, out)``, which is
+        the axis the authors transform in PyTorch's ``(out, in)`` layout, and on
+        CPU the fast one since a block is made of whole rows). Or a pytree
+        (prefix) of ints / None matching the params, or a callable
+        ``(path, array) -> int | None``; None leaves the array untransformed.
+      mask: optional pytree of bools (or callable params -> pytree) choosing the
+        arrays that may be transformed, on top of `axis`.
+      min_dim_size: arrays shorter than this along the axis are left to the base
+        optimizer at full size. None (default): every selected array is
+        transformed, and an axis too short for `level` is an error (too short:
+        fewer than ``2^level`` samples, or an approximation that would not be
+        shorter than the axis, as happens with long filters on short axes).
+    """
+
+    level: int = 2
+    wavelet: str = "haar"
+    mode: str = "zero"
+    axis: AxisSpec = 0
+    mask: MaskSpec = None
+    min_dim_size: Optional[int] = None
+
+    def __post_init__(self):
+        if isinstance(self.level, bool) or not isinstance(self.level, (int, np.integer)):
+            raise TypeError(
+                f"level must be a static Python int, got {self.level!r}; with "
+                "optax.inject_hyperparams pass static_args=optax_gwt.STATIC_ARGS"
+            )
+        if self.level < 1:
+            raise ValueError(f"level must be >= 1, got {self.level}")
+        object.__setattr__(self, "wavelet", wavelets.get_wavelet(self.wavelet).name)
+        wavelets._check_mode(self.mode)
+        if self.min_dim_size is not None and not isinstance(self.min_dim_size, (int, np.integer)):
+            raise TypeError(f"min_dim_size must be a static int or None, got {self.min_dim_size!r}")
+
+    def leaf_specs(self, tree: Any) -> tuple[list[Optional[LeafSpec]], Any]:
+        """Per leaf of `tree` (flattened order), its `LeafSpec` or None; and the treedef.
+
+        Raises:
+          ValueError / TypeError naming the leaf's path for an axis out of range,
+          a level too deep for the axis, or a dtype that cannot be optimized.
+        """
+        leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        axes = self._axes(tree, leaves_with_path, treedef)
+        selected = self._mask(tree, treedef)
+        specs = []
+        for (path, leaf), axis, sel in zip(leaves_with_path, axes, selected):
+            name = jax.tree_util.keystr(path)
+            if not _is_array_like(leaf):
+                raise TypeError(f"{name}: expected an array, got {type(leaf).__name__}")
+            dtype = jnp.dtype(leaf.dtype)
+            if not jnp.issubdtype(dtype, jnp.inexact):
+                raise TypeError(f"{name}: GWT optimizes floating-point arrays only, got dtype {dtype}")
+            if axis is None or not sel or leaf.ndim == 0:
+                specs.append(None)
+                continue
+            if jnp.issubdtype(dtype, jnp.complexfloating):
+                raise TypeError(f"{name}: complex arrays cannot be wavelet-transformed (dtype {dtype})")
+            if not isinstance(axis, (int, np.integer)) or not -leaf.ndim <= axis < leaf.ndim:
+                raise ValueError(f"{name}: transform axis {axis!r} is out of range for shape {tuple(leaf.shape)}")
+            axis = int(axis) % leaf.ndim
+            n = int(leaf.shape[axis])
+            if self.min_dim_size is not None and n < self.min_dim_size:
+                specs.append(None)
+                continue
+            if not _level_fits(n, self.level, self.wavelet, self.mode):
+                deepest = max([l for l in range(1, self.level) if _level_fits(n, l, self.wavelet, self.mode)], default=0)
+                raise ValueError(
+                    f"{name}: level {self.level} is too deep for length {n} along axis {axis} with "
+                    f"wavelet {self.wavelet!r} (at most {deepest}); lower the level, or leave such "
+                    "arrays to the base optimizer with min_dim_size, mask or axis."
+                )
+            specs.append(LeafSpec(name, tuple(leaf.shape), dtype.name, axis, self.level, self.wavelet, self.mode))
+        return specs, treedef
+
+    def _axes(self, tree, leaves_with_path, treedef) -> list:
+        if self.axis is None or isinstance(self.axis, (int, np.integer)):
+            return [None if self.axis is None or getattr(l, "ndim", 0) < 2 else self.axis for _, l in leaves_with_path]
+        if callable(self.axis):
+            return [self.axis(p, l) for p, l in leaves_with_path]
+        return _broadcast_prefix(self.axis, tree, treedef, "axis")
+
+    def _mask(self, tree, treedef) -> list:
+        if self.mask is None:
+            return [True] * treedef.num_leaves
+        mask = self.mask(tree) if callable(self.mask) else self.mask
+        return [bool(m) for m in _broadcast_prefix(mask, tree, treedef, "mask")]
+
+
+def _level_fits(n: int, level: int, wavelet: str, mode: str) -> bool:
+    """A level fits a length when each level halves at least one sample and the state shrinks."""
+    return n >= 2**level and wavelets.coeff_lengths(n, wavelet, level, mode)[0] < n
+
+
+def _broadcast_prefix(prefix, tree, treedef, what: str) -> list:
+    """The value of `prefix` (None included) that covers each leaf of `tree`, in flattened order."""
+    try:
+        return treedef.flatten_up_to(jax.tree.broadcast(prefix, tree, is_leaf=lambda x: x is None))
+    except ValueError as e:
+        raise ValueError(f"{what} must be a pytree prefix of the params: {e}") from None
+
+
+
+
+# ---------------------------------------------------------------------------
+# The coefficients carried between the stages.
+# ---------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class WaveletCoefficients:
+    """One transformed array between `wavelet_project` and `wavelet_inverse`.
+
+    A pytree node: the stages of a GWT chain pass it on as the "updates" of a
+    transformed leaf, each filling in what it computes. Nothing here is
+    optimizer state: it lives for one update.
+
+    Attributes:
+      approx: the approximation coefficients (`LeafSpec.approx_shape`, in the
+        compute dtype): ``cA`` from `wavelet_project`, the base optimizer's
+        step ``N`` after `on_approximation`, ``N / lam`` after
+        `limit_norm_growth`.
+      details: ``(cD_level, ..., cD_1)`` in PyWavelets' order; ``()`` in Haar
+        closed form, where they are implicit in `signal`.
+      signal: in Haar closed form the full-size gradient itself (its details
+        are the gradient minus its block means), else None.
+      grad_approx: the gradient's approximation ``cA`` (kept after `approx`
+        becomes the step; laid out like the gradient on an explicit mesh).
+      denominator: from `on_approximation` with a base that states one: its
+        per-coefficient denominator ``sqrt(v_hat) + eps`` (approx's shape).
+      momentum_correction: with it, the base's first-moment bias correction
+        ``1 / (1 - b1^t)`` (a scalar).
+      step_scale: from `on_approximation`: the scalar the base multiplied its
+        step by that the norm-growth limiter does not see (1 but for the
+        reference Adam's ``sqrt(1 - b2^t) / (1 - b1^t)``).
+      limit: from `limit_norm_growth`: the factor ``lam`` the step was divided by.
+      spec: static: how the array was transformed.
+      sharding: static: the gradient's sharding on a mesh of explicit axes, else None.
+    """
+
+    approx: jax.Array
+    details: tuple = ()
+    signal: Optional[jax.Array] = None
+    grad_approx: Optional[jax.Array] = None
+    denominator: Optional[jax.Array] = None
+    momentum_correction: Optional[jax.Array] = None
+    step_scale: Optional[jax.Array] = None
+    limit: Optional[jax.Array] = None
+    spec: LeafSpec = dataclasses.field(default=None, metadata=dict(static=True))
+    sharding: Any = dataclasses.field(default=None, metadata=dict(static=True))
+
+    def replace(self, **changes) -> "WaveletCoefficients":
+        return dataclasses.replace(self, **changes)
+
+
+def is_coefficients(x: Any) -> bool:
+    """Whether `x` is a `WaveletCoefficients` node (an ``is_leaf`` for tree functions)."""
+    return isinstance(x, WaveletCoefficients)
+
+
+def compute_dtype(dtype) -> np.dtype:
+    """float32 for half-precision arrays (bfloat16, float16), else the dtype itself."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def project_leaf(g: jax.Array, spec: LeafSpec) -> WaveletCoefficients:
+    """The multi-level DWT of `g` along ``spec.axis``, in `compute_dtype`.
+
+    In Haar closed form the approximation is ``block_sums(g) / sqrt(B)`` and
+    `g` itself is carried as the signal. On a mesh of explicit axes the
+    transform axis is gathered first (`sharding.gather_axis`), and `approx`
+    is laid out as the base optimizer's state derived from `g`.
+    """
+    x = sharding_lib.gather_axis(g, spec.axis).astype(compute_dtype(g.dtype))
+    if spec.closed_form:
+        cA = haar.block_sums(x, spec.axis, spec.block) * jnp.asarray(1 / math.sqrt(spec.block), x.dtype)
+        details, signal = (), x
+    else:
+        cA, *rest = wavelets.wavedec(x, spec.wavelet, spec.mode, spec.level, spec.axis)
+        details, signal = tuple(rest), None
+    return WaveletCoefficients(
+        approx=sharding_lib.follow(cA, g), details=details, signal=signal, grad_approx=cA,
+        spec=spec, sharding=sharding_lib._explicit_sharding(g),
+    )
+
+
+def inverse_leaf(
+    node: WaveletCoefficients, weight: Optional[jax.Array], clip: Optional[float] = None
+) -> jax.Array:
+    """``waverec([node.approx, D_l * w, ..., D_1 * w])`` cut to the array's length.
+
+    `weight` ``w`` is per approximation coefficient (approx's shape; repeated
+    in place twice per level to meet each level's details), a scalar, or None
+    (details dropped). With `clip`, the details' part of the result,
+    ``waverec([0, D_l * w, ..., D_1 * w])``, is clipped to ``[-clip, clip]``.
+    Computed in the compute dtype of `node.approx`.
+    """
+    if clip is not None and weight is not None:
+        low = inverse_leaf(node, None)
+        high = inverse_leaf(node.replace(approx=jnp.zeros_like(node.approx)), weight)
+        return low + jnp.clip(high, -clip, clip)
+    if node.spec.closed_form:
+        return _haar_inverse(node, weight)
+    spec, dtype = node.spec, node.approx.dtype
+    coeffs = [node.approx]
+    if weight is None:
+        # Zeros, not None: waverec trims each level to the next details' length.
+        coeffs += [jnp.zeros_like(d, dtype) for d in node.details]
+    elif jnp.ndim(weight) == 0:
+        coeffs += [d * weight.astype(dtype) for d in node.details]
+    else:
+        w = weight.astype(dtype)
+        for d in node.details:
+            coeffs.append(d * jax.lax.slice_in_dim(w, 0, d.shape[spec.axis], axis=spec.axis))
+            w = jnp.repeat(w, 2, axis=spec.axis)
+    full = wavelets.waverec(coeffs, spec.wavelet, spec.mode, spec.axis)
+    return jax.lax.slice_in_dim(full, 0, spec.length, axis=spec.axis)
+
+
+def _haar_inverse(node: WaveletCoefficients, weight: Optional[jax.Array]) -> jax.Array:
+    """`inverse_leaf` in Haar closed form: ``(G - mean) * w + N / sqrt(B)`` per block.
+
+    Written ``G * w + (N - A * w) / sqrt(B)``: one full-size multiply-add of
+    the gradient ``G`` with two per-block values, repeated in place.
+    """
+    spec, dtype = node.spec, node.approx.dtype
+    s = jnp.asarray(1 / math.sqrt(spec.block), dtype)
+    repeat = lambda x: haar.repeat_blocks(x, spec.axis, spec.block, spec.length)
+    if weight is None:
+        return repeat(node.approx * s)
+    w = weight.astype(dtype)
+    offset = (node.approx - node.grad_approx * w) * s
+    return node.signal * (w if jnp.ndim(w) == 0 else repeat(w)) + repeat(offset)

@@ -1,0 +1,411 @@
+"""The four stages of GWT, each an Optax transformation, chained in this order.
+
+Wen et al., "Breaking Memory Limits: Gradient Wavelet Transform Enhances LLMs
+Training", arXiv 2501.07237. For a transformed matrix with gradient ``G``::
+
+    optax.chain(
+        wavelet_project(projection),           # 1. [A, D_l..D_1] = wavedec(G)
+        on_approximation(base, projection),    # 2. N = base(A); its state has A's shape
+        limit_norm_growth(1.01),               # 3. N <- N / lam  (Fira's limiter)
+        wavelet_inverse(scale=0.25),           # 4-5. U = scale * waverec([N, D * w])
+        optax.scale_by_learning_rate(lr),
+    )
+
+Between the first and the last stage a transformed leaf of the updates is a
+`WaveletCoefficients` node, each stage filling in its part; arrays that are
+not transformed pass through, the base optimizer stepping them at full size.
+The stages check that they are chained in this order and built with the same
+projection.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_gwt import sharding as sharding_lib
+from optax_gwt.adam import GWTBase, Preconditioner, _scalar_dtype
+from optax_gwt.projection import (
+    WaveletCoefficients, WaveletProjection, compute_dtype, inverse_leaf, is_coefficients, project_leaf,
+)
+
+__all__ = [
+    "DETAIL_RULES",
+    "OnApproximationState",
+    "LimitNormGrowthState",
+    "wavelet_project",
+    "on_approximation",
+    "limit_norm_growth",
+    "wavelet_inverse",
+]
+
+DETAIL_RULES = ("auto", "adam", "norm_ratio", "zero")
+
+
+def _flatten(tree: Any) -> tuple[list, Any]:
+    """Leaves and treedef of updates that may hold `WaveletCoefficients` nodes (kept whole)."""
+    return jax.tree_util.tree_flatten(tree, is_leaf=is_coefficients)
+
+
+def _require(ok: bool, stage: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{stage}: {message} (the GWT chain is wavelet_project -> on_approximation -> "
+                         "[limit_norm_growth ->] wavelet_inverse)")
+
+
+# ---------------------------------------------------------------------------
+# 1. wavelet_project
+# ---------------------------------------------------------------------------
+
+
+def wavelet_project(projection: WaveletProjection = WaveletProjection()) -> optax.GradientTransformation:
+    """Stage 1 of GWT: each selected gradient becomes its wavelet coefficients.
+
+    For every array that `projection` selects, with gradient ``G`` of length
+    ``n`` along the transform axis, ``[A, D_level, ..., D_1] = wavedec(G)``
+    (PyWavelets' multi-level DWT, in float32 at least). The updates passed on
+    hold a `WaveletCoefficients` node per transformed array (``A`` has
+    ``ceil(n / 2^level)`` entries along the axis for Haar); other arrays pass
+    through unchanged. Stateless.
+
+    Args:
+      projection: which arrays are transformed, and how.
+
+    Returns:
+      An `optax.GradientTransformation` (state `optax.EmptyState`).
+
+    References:
+      Wen et al., arXiv 2501.07237, Algorithm 1.
+
+    Example:
+      >>> import jax.numpy as jnp, optax_gwt
+      >>> tx = optax_gwt.wavelet_project(optax_gwt.WaveletProjection(level=1))
+      >>> out, _ = tx.update({"w": jnp.ones((4, 3))}, tx.init(None))
+      >>> out["w"].approx.shape
+      (2, 3)
+    """
+
+    def update_fn(updates, state, params=None):
+        del params
+        leaves, treedef = _flatten(updates)
+        _require(not any(map(is_coefficients, leaves)), "wavelet_project", "the updates are already projected")
+        specs, _ = projection.leaf_specs(updates)
+        out = [g if s is None else project_leaf(g, s) for g, s in zip(leaves, specs)]
+        return treedef.unflatten(out), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+# ---------------------------------------------------------------------------
+# 2. on_approximation
+# ---------------------------------------------------------------------------
+
+
+class OnApproximationState(NamedTuple):
+    """State of `on_approximation`: the base optimizer's, on the compressed shapes."""
+
+    inner_state: optax.OptState
+
+
+def _approx_zeros(params: Any, projection: WaveletProjection) -> Any:
+    """`params` with each transformed array replaced by zeros of its approximation's
+    shape, laid out like the param (`sharding.zeros_following`)."""
+    specs, treedef = projection.leaf_specs(params)
+    leaves = treedef.flatten_up_to(params)
+    return treedef.unflatten([
+        p if s is None else sharding_lib.zeros_following(p, s.approx_shape, p.dtype) for p, s in zip(leaves, specs)
+    ])
+
+
+def _check_projection(leaves: list, projection: WaveletProjection) -> None:
+    """That the incoming nodes are where, and as, `projection` would have made them."""
+    shapes = [jax.ShapeDtypeStruct(x.spec.shape, x.spec.dtype) if is_coefficients(x) else x for x in leaves]
+    expected, _ = projection.leaf_specs(shapes)
+    for x, spec in zip(leaves, expected):
+        got = x.spec if is_coefficients(x) else None
+        if spec is not None and got is None:
+            _require(False, "on_approximation", f"{spec.path} is not projected: wavelet_project must come before")
+        if got is not None and dataclass_key(got) != dataclass_key(spec):
+            _require(False, "on_approximation", f"{got.path} was projected as {got} but this stage's projection "
+                     f"makes {spec}: build both stages with the same WaveletProjection")
+
+
+def dataclass_key(spec) -> tuple:
+    """A `LeafSpec` without its path (the path differs under optax.masked and multi_transform)."""
+    return None if spec is None else (spec.shape, spec.axis, spec.level, spec.wavelet, spec.mode)
+
+
+def _check_state(inner: optax.GradientTransformation, inner_in: Any, inner_state: Any) -> None:
+    """A clear error when the updates' (compressed) shapes are not those the state was built for."""
+    want = jax.tree_util.tree_flatten_with_path(jax.eval_shape(inner.init, inner_in))
+    have = jax.tree_util.tree_flatten_with_path(inner_state)
+    if want[1] != have[1]:
+        raise ValueError("on_approximation: the updates do not match the optimizer state (initialised for "
+                         f"another params tree).\n  updates give: {want[1]}\n  state holds:  {have[1]}")
+    for (path, w), (_, h) in zip(want[0], have[0]):
+        if jnp.shape(w) != jnp.shape(h):
+            raise ValueError(f"on_approximation: state leaf {jax.tree_util.keystr(path)} was built with shape "
+                             f"{jnp.shape(h)} at init, but these updates give {jnp.shape(w)} (compressed shapes)")
+
+
+def on_approximation(
+    inner: optax.GradientTransformation,
+    projection: WaveletProjection = WaveletProjection(),
+    *,
+    preconditioner: Optional[Callable[[optax.OptState], Optional[Preconditioner]]] = None,
+) -> optax.GradientTransformation:
+    """Stage 2 of GWT: a base optimizer on the approximation coefficients only.
+
+    ``N = inner(A)`` for each transformed array, and ``inner(G)`` at full size
+    for the others; the details pass through. `inner` is initialised on the
+    approximation's shapes (its state, e.g. Adam's ``m`` and ``v``, has
+    ``1 / 2^level`` of the array along the axis), each laid out like its
+    parameter on a mesh. If `inner` reads params, it gets their approximation.
+
+    What the detail rule of `wavelet_inverse` needs travels on in each node:
+    the base's `Preconditioner` (its per-coefficient denominator, bias
+    corrections), from `preconditioner` (a function of the base's new state),
+    by default the one a `GWTBase` such as `scale_by_reference_adam` states;
+    for `optax.scale_by_adam` pass `optax_gwt.adam_preconditioner(b1, b2, eps)`.
+    Without one, ``"auto"`` uses the ``"norm_ratio"`` rule.
+
+    Args:
+      inner: any Optax transformation (`optax.scale_by_adam`, `scale_by_lion`,
+        `contrib.scale_by_muon`, `scale_by_factored_rms`, ...).
+      projection: the same `WaveletProjection` as `wavelet_project`'s.
+      preconditioner: see above.
+
+    Returns:
+      An `optax.GradientTransformation` with state `OnApproximationState`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optax_gwt
+      >>> proj = optax_gwt.WaveletProjection(level=2)
+      >>> tx = optax_gwt.on_approximation(optax.scale_by_lion(), proj)
+      >>> tx.init({"w": jnp.zeros((8, 3))}).inner_state.mu["w"].shape
+      (2, 3)
+    """
+    if preconditioner is None and isinstance(inner, GWTBase):
+        preconditioner = inner.preconditioner
+
+    def init_fn(params):
+        return OnApproximationState(inner.init(_approx_zeros(params, projection)))
+
+    def update_fn(updates, state, params=None):
+        leaves, treedef = _flatten(updates)
+        _check_projection(leaves, projection)
+        inner_in = treedef.unflatten([x.approx.astype(x.spec.dtype) if is_coefficients(x) else x for x in leaves])
+        _check_state(inner, inner_in, state.inner_state)
+        kwargs = {"haar_signals": _haar_signals(leaves, treedef)} if isinstance(inner, GWTBase) else {}
+        steps, inner_state = inner.update(inner_in, state.inner_state, _approx_params(params, projection), **kwargs)
+        pre = preconditioner(inner_state) if preconditioner is not None else None
+        out = _carry(leaves, treedef.flatten_up_to(steps), pre, treedef)
+        return treedef.unflatten(out), OnApproximationState(inner_state)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _approx_params(params: Any, projection: WaveletProjection) -> Any:
+    """The params with each transformed array replaced by its approximation (XLA
+    drops this when the base does not read params)."""
+    if params is None:
+        return None
+    specs, treedef = projection.leaf_specs(params)
+    leaves = treedef.flatten_up_to(params)
+    return treedef.unflatten([p if s is None else project_leaf(p, s).approx.astype(p.dtype) for p, s in zip(leaves, specs)])
+
+
+def _haar_signals(leaves: list, treedef) -> Any:
+    """Per leaf, ``(G, axis, B)`` where a Haar closed-form node carries its gradient
+    in the gradient's own dtype (the CPU kernel's input), else None."""
+    def one(x):
+        if is_coefficients(x) and x.signal is not None and x.signal.dtype == x.spec.dtype:
+            return (x.signal, x.spec.axis, x.spec.block)
+        return None
+    return treedef.unflatten([one(x) for x in leaves])
+
+
+def _carry(leaves: list, steps: list, pre: Optional[Preconditioner], treedef) -> list:
+    """The base's steps put into the nodes, with its preconditioner's named parts."""
+    dens = treedef.flatten_up_to(pre.denominator) if pre is not None else [None] * len(leaves)
+    out = []
+    for x, n, den in zip(leaves, steps, dens):
+        if not is_coefficients(x):
+            out.append(n)
+            continue
+        dt = compute_dtype(x.spec.dtype)
+        scalars = dict(momentum_correction=None, step_scale=jnp.ones([], _scalar_dtype(n)))
+        if pre is not None:
+            scalars = dict(momentum_correction=pre.momentum_correction, step_scale=pre.step_scale)
+        out.append(x.replace(approx=n.astype(dt), denominator=den, **scalars))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# 3. limit_norm_growth
+# ---------------------------------------------------------------------------
+
+
+class LimitNormGrowthState(NamedTuple):
+    """State of `limit_norm_growth`.
+
+    Attributes:
+      count: steps taken (int32 scalar); the first step is not limited.
+      norm_prev: per array, the previous step's norm ``r_prev`` (a scalar in
+        float32, float64 for float64 params; 0 where not transformed).
+    """
+
+    count: jax.Array
+    norm_prev: Any
+
+
+def limit_norm_growth(gamma: float = 1.01) -> optax.GradientTransformation:
+    """Stage 3 of GWT: Fira's norm-growth limiter on each approximation step.
+
+    For each transformed array, with ``r = ||N|| / step_scale`` (the norm of
+    the base's step before the reference's bias correction):
+    ``lam = max(r / (r_prev + 1e-8), gamma) / gamma`` (``lam = 1`` on the
+    first step), ``N <- N / lam`` and ``r_prev <- r / lam``: the step's norm
+    grows by at most a factor `gamma` per step. The details are divided by
+    ``lam`` too (`wavelet_inverse` reads it from the node). The scalar math
+    of all arrays runs on one stacked vector (one kernel, not one per array).
+
+    Args:
+      gamma: the largest growth factor per step.
+
+    Returns:
+      An `optax.GradientTransformation` with state `LimitNormGrowthState`.
+
+    References:
+      Chen et al., "Fira: Can We Achieve Full-rank Training of LLMs Under
+      Low-rank Constraint?", arXiv 2410.01623; Wen et al., arXiv 2501.07237.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optax_gwt
+      >>> tx = optax.chain(optax_gwt.wavelet_project(), optax_gwt.on_approximation(optax.scale_by_sign()),
+      ...                  optax_gwt.limit_norm_growth(1.01), optax_gwt.wavelet_inverse(scale=1.0))
+      >>> state = tx.init({"w": jnp.zeros((8, 2))})
+      >>> u1, state = tx.update({"w": jnp.ones((8, 2))}, state)
+      >>> u2, state = tx.update({"w": 3 * jnp.ones((8, 2))}, state)
+      >>> round(float(jnp.abs(u2["w"]).max() / jnp.abs(u1["w"]).max()), 2)
+      1.0
+    """
+
+    def init_fn(params):
+        norm_prev = jax.tree.map(lambda p: sharding_lib.zeros_following(p, (), _scalar_dtype(p)), params)
+        return LimitNormGrowthState(jnp.zeros([], jnp.int32), norm_prev)
+
+    def update_fn(updates, state, params=None):
+        del params
+        leaves, treedef = _flatten(updates)
+        index = [k for k, x in enumerate(leaves) if is_coefficients(x)]
+        for k in index:
+            _require(leaves[k].step_scale is not None and leaves[k].limit is None, "limit_norm_growth",
+                     f"{leaves[k].spec.path} has not been through on_approximation, or was limited twice")
+        r_prev = treedef.flatten_up_to(state.norm_prev)
+        out, new_prev = list(leaves), list(r_prev)
+        if index:
+            dt = _scalar_dtype([r_prev[k] for k in index])
+            norm = lambda x: jnp.sqrt(jnp.sum(jnp.square(x.approx.astype(dt)))) / x.step_scale.astype(dt)
+            r = jnp.stack([norm(leaves[k]) for k in index])
+            prev = jnp.stack([r_prev[k].astype(dt) for k in index])
+            lam = jnp.where(state.count == 0, 1.0, jnp.maximum(r / (prev + 1e-8), gamma) / gamma).astype(dt)
+            for j, k in enumerate(index):
+                out[k] = leaves[k].replace(approx=leaves[k].approx / lam[j].astype(leaves[k].approx.dtype), limit=lam[j])
+                new_prev[k] = (r[j] / lam[j]).astype(r_prev[k].dtype)
+        new_state = LimitNormGrowthState(optax.safe_increment(state.count), treedef.unflatten(new_prev))
+        return treedef.unflatten(out), new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+# ---------------------------------------------------------------------------
+# 4. wavelet_inverse
+# ---------------------------------------------------------------------------
+
+
+def _detail_weight(x: WaveletCoefficients, rule: str, bias_correct_details: bool) -> Optional[jax.Array]:
+    """The factor of the details (per approximation coefficient, a scalar, or None)."""
+    if rule == "auto":
+        rule = "adam" if x.denominator is not None else "norm_ratio"
+    if rule == "zero":
+        return None
+    if rule == "norm_ratio":
+        norm = lambda a: jnp.sqrt(jnp.sum(jnp.square(a.astype(_scalar_dtype(a)))))
+        a_norm = norm(x.grad_approx)
+        return jnp.where(a_norm > 0, norm(x.approx) / jnp.where(a_norm > 0, a_norm, 1.0), 0.0)
+    _require(x.denominator is not None, "wavelet_inverse", "detail_rule='adam' needs the base's denominator: give "
+             "on_approximation a preconditioner (optax_gwt.adam_preconditioner for optax.scale_by_adam), or use "
+             "'norm_ratio' or 'zero'")
+    correction = x.momentum_correction if bias_correct_details else 1.0
+    lam = 1.0 if x.limit is None else x.limit
+    return correction / (x.denominator * lam)
+
+
+def wavelet_inverse(
+    scale: float = 0.25,
+    detail_rule: str = "auto",
+    *,
+    bias_correct_details: bool = True,
+    detail_clip: Optional[float] = None,
+) -> optax.GradientTransformation:
+    """Stages 4-5 of GWT: the details rescaled, and the full-size update rebuilt.
+
+    For each `WaveletCoefficients` node, ``U = scale * waverec([N, D_l * w,
+    ..., D_1 * w])[:n]`` in the gradient's dtype, where ``w`` follows
+    `detail_rule`:
+
+    * ``"adam"`` (the reference): ``w = c / (denominator * lam)`` per
+      approximation coefficient, repeated in place twice per level, with ``c``
+      the base's ``1 / (1 - b1^t)`` (1 if not `bias_correct_details`) and
+      ``lam`` the limiter's factor: each detail is divided by the Adam
+      denominator of its approximation coefficient;
+    * ``"norm_ratio"``: ``w = ||N|| / ||A||`` (any base: Lion, Muon, ...);
+    * ``"zero"``: the details are dropped (a pure low-pass update);
+    * ``"auto"``: ``"adam"`` when the base stated a denominator, else ``"norm_ratio"``.
+
+    Other arrays pass through. Stateless.
+
+    Args:
+      scale: alpha, the factor of the transformed arrays' update.
+      detail_rule: see above.
+      bias_correct_details: False keeps Adam's ``1 / (1 - b1^t)`` off the raw
+        details (the reference applies it, amplifying the first steps' high
+        frequencies by up to ``1 / (1 - b1)``).
+      detail_clip: None (the reference) or a bound: the details' part of the
+        update (before `scale`) is clipped to ``[-detail_clip, detail_clip]``.
+
+    Returns:
+      An `optax.GradientTransformation` (state `optax.EmptyState`).
+
+    References:
+      Wen et al., arXiv 2501.07237, Algorithm 1.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optax_gwt
+      >>> proj = optax_gwt.WaveletProjection(level=1)
+      >>> tx = optax.chain(optax_gwt.wavelet_project(proj), optax_gwt.on_approximation(optax.identity(), proj),
+      ...                  optax_gwt.wavelet_inverse(scale=1.0, detail_rule="norm_ratio"))
+      >>> g = {"w": jnp.arange(8.0).reshape(4, 2)}
+      >>> bool(jnp.allclose(tx.update(g, tx.init(g))[0]["w"], g["w"]))
+      True
+    """
+    if detail_rule not in DETAIL_RULES:
+        raise ValueError(f"detail_rule must be one of {DETAIL_RULES}, got {detail_rule!r}")
+
+    def one(x):
+        if not is_coefficients(x):
+            return x
+        _require(x.step_scale is not None, "wavelet_inverse", f"{x.spec.path} has not been through on_approximation")
+        u = inverse_leaf(x, _detail_weight(x, detail_rule, bias_correct_details), detail_clip)
+        u = (u * jnp.asarray(scale, u.dtype)).astype(x.spec.dtype)
+        return sharding_lib.reshard_to(u, x.sharding)
+
+    def update_fn(updates, state, params=None):
+        del params
+        return jax.tree.map(one, updates, is_leaf=is_coefficients), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
