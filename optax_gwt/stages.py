@@ -120,10 +120,10 @@ def _approx_zeros(params: Any, projection: WaveletProjection) -> Any:
     ])
 
 
-def _check_projection(leaves: list, projection: WaveletProjection) -> None:
+def _check_projection(leaves: list, treedef, projection: WaveletProjection) -> None:
     """That the incoming nodes are where, and as, `projection` would have made them."""
     shapes = [jax.ShapeDtypeStruct(x.spec.shape, x.spec.dtype) if is_coefficients(x) else x for x in leaves]
-    expected, _ = projection.leaf_specs(shapes)
+    expected, _ = projection.leaf_specs(treedef.unflatten(shapes))
     for x, spec in zip(leaves, expected):
         got = x.spec if is_coefficients(x) else None
         if spec is not None and got is None:
@@ -196,7 +196,7 @@ def on_approximation(
 
     def update_fn(updates, state, params=None):
         leaves, treedef = _flatten(updates)
-        _check_projection(leaves, projection)
+        _check_projection(leaves, treedef, projection)
         inner_in = treedef.unflatten([x.approx.astype(x.spec.dtype) if is_coefficients(x) else x for x in leaves])
         _check_state(inner, inner_in, state.inner_state)
         kwargs = {"haar_signals": _haar_signals(leaves, treedef)} if isinstance(inner, GWTBase) else {}

@@ -209,7 +209,7 @@ def test_state_bytes_per_device_fall_with_devices():
         def held(tree):
             return sum(s.data.nbytes for leaf in jax.tree_util.tree_leaves(tree) for s in leaf.addressable_shards if s.device == device)
 
-        moments = state[0].base_state
+        moments = state[0][1].inner_state
         on_device[n] = {k: held((moments.mu[k], moments.nu[k])) for k in params}
         predicted = per_device_bytes(jax.eval_shape(opt.init, params), state_partition_specs(opt, params, specs, mesh), mesh)
         assert held(state) == predicted
@@ -226,11 +226,11 @@ def test_compressed_axis_not_divisible_is_replicated():
     specs = {k: P("fsdp") for k in params}
     opt = gwt(chosen_axes(specs, 0))
     ssh = state_shardings(opt, params, shardings(mesh, specs))
-    assert ssh[0].base_state.mu["w4"].spec == P()
-    assert ssh[0].base_state.mu["w2"].spec == P("fsdp")
+    assert ssh[0][1].inner_state.mu["w4"].spec == P()
+    assert ssh[0][1].inner_state.mu["w2"].spec == P("fsdp")
     state = jax.jit(opt.init, out_shardings=ssh)(jax.device_put(params, shardings(mesh, specs)))
-    assert state[0].base_state.mu["w4"].addressable_shards[0].data.shape == (10, 32)
-    assert state[0].base_state.mu["w2"].addressable_shards[0].data.shape == (2, 64)
+    assert state[0][1].inner_state.mu["w4"].addressable_shards[0].data.shape == (10, 32)
+    assert state[0][1].inner_state.mu["w2"].addressable_shards[0].data.shape == (2, 64)
 
 
 def test_explicit_axes_mesh():

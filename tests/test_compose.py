@@ -60,8 +60,8 @@ def test_multi_transform_modular_learning_rates():
     )
     out, state = _run(opt, params)
     gwt_state = state.inner_states["gwt"].inner_state[0]
-    assert gwt_state.base_state.mu["attn"]["kernel"].shape == (4, 8)
-    assert gwt_state.base_state.mu["mlp"]["kernel"].shape == (3, 16)
+    assert gwt_state[1].inner_state.mu["attn"]["kernel"].shape == (4, 8)
+    assert gwt_state[1].inner_state.mu["mlp"]["kernel"].shape == (3, 16)
     # Each group equals its optimizer run alone on its own subtree.
     sub = {"attn": params["attn"], "mlp": params["mlp"]}
     alone_state = optax_gwt.gwt_adamw(1e-2 * 0.25, level=2).init(sub)
@@ -179,8 +179,8 @@ def test_flax_nnx_optimizer():
 
     losses = [float(train_step(model, optimizer)) for _ in range(30)]
     assert losses[-1] < 0.7 * losses[0]
-    gwt_state = jax.tree_util.tree_leaves(optimizer.opt_state, is_leaf=lambda s: isinstance(s, optax_gwt.GWTState))
-    assert any(isinstance(s, optax_gwt.GWTState) for s in gwt_state)
+    gwt_state = jax.tree_util.tree_leaves(optimizer.opt_state, is_leaf=lambda s: isinstance(s, optax_gwt.OnApproximationState))
+    assert any(isinstance(s, optax_gwt.OnApproximationState) for s in gwt_state)
 
     fresh = MLP(nnx.Rngs(0))
     fresh_opt = nnx.Optimizer(fresh, tx, wrt=nnx.Param)

@@ -252,9 +252,9 @@ def test_trajectory_float32_equals_xla_path(level):
     gwt_kernel, gwt_xla = s_kernel[0], s_xla[0]
     for k in MATRICES:
         for field in ("mu", "nu"):
-            x, ref = getattr(gwt_kernel.base_state, field)[k], getattr(gwt_xla.base_state, field)[k]
+            x, ref = getattr(gwt_kernel[1].inner_state, field)[k], getattr(gwt_xla[1].inner_state, field)[k]
             np.testing.assert_allclose(x, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max(), err_msg=f"{field}[{k}]")
-        np.testing.assert_allclose(gwt_kernel.norm_prev[k], gwt_xla.norm_prev[k], rtol=1e-5, err_msg=k)
+        np.testing.assert_allclose(gwt_kernel[2].norm_prev[k], gwt_xla[2].norm_prev[k], rtol=1e-5, err_msg=k)
 
 
 @pytest.mark.parametrize("level", [1, 2, 3])
@@ -275,9 +275,9 @@ def test_trajectory_float64_equals_reference(level, x64):
     # The state the kernel wrote: the approximation's moments and the limiter's norm.
     gwt = state[0]
     for k in MATRICES:
-        np.testing.assert_allclose(gwt.base_state.mu[k], ref.state[k]["m"], rtol=1e-9, atol=1e-12, err_msg=k)
-        np.testing.assert_allclose(gwt.base_state.nu[k], ref.state[k]["v"], rtol=1e-9, atol=1e-12, err_msg=k)
-        np.testing.assert_allclose(gwt.norm_prev[k], ref.state[k]["r"], rtol=1e-9, err_msg=k)
+        np.testing.assert_allclose(gwt[1].inner_state.mu[k], ref.state[k]["m"], rtol=1e-9, atol=1e-12, err_msg=k)
+        np.testing.assert_allclose(gwt[1].inner_state.nu[k], ref.state[k]["v"], rtol=1e-9, atol=1e-12, err_msg=k)
+        np.testing.assert_allclose(gwt[2].norm_prev[k], ref.state[k]["r"], rtol=1e-9, err_msg=k)
 
 
 # ---------------------------------------------------------------------------

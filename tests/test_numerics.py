@@ -71,8 +71,8 @@ def test_update_has_gradient_dtype_and_state_dtypes_are_stable(dtype, wavelet, m
         assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in jax.tree_util.tree_leaves(u))
         state = new_state
     gwt = state[0]
-    assert gwt.base_state.mu["w"].dtype == dtype and gwt.base_state.nu["w"].dtype == dtype
-    assert gwt.norm_prev["w"].dtype == jnp.float32
+    assert gwt[1].inner_state.mu["w"].dtype == dtype and gwt[1].inner_state.nu["w"].dtype == dtype
+    assert gwt[2].norm_prev["w"].dtype == jnp.float32
 
 
 def test_float64_params_under_x64(x64):
@@ -80,7 +80,7 @@ def test_float64_params_under_x64(x64):
     opt = optax_gwt.gwt_adamw(1e-2)
     u, state = jax.jit(opt.update)(_grad_seq(1, jnp.float64)[0], opt.init(params), params)
     assert _dtypes(u) == _dtypes(params)
-    assert state[0].norm_prev["w"].dtype == jnp.float64 and state[0].base_state.nu["w"].dtype == jnp.float64
+    assert state[0][2].norm_prev["w"].dtype == jnp.float64 and state[0][1].inner_state.nu["w"].dtype == jnp.float64
 
 
 @pytest.mark.parametrize("mu_dtype, nu_dtype", [(jnp.bfloat16, None), (None, jnp.bfloat16), (jnp.bfloat16, jnp.bfloat16)])
@@ -88,7 +88,7 @@ def test_moment_dtypes(mu_dtype, nu_dtype):
     params = _params(jnp.float32)
     opt = optax_gwt.gwt_adamw(1e-2, mu_dtype=mu_dtype, nu_dtype=nu_dtype)
     final, state = _run(opt, params, _grad_seq(3))
-    base = state[0].base_state
+    base = state[0][1].inner_state
     assert base.mu["w"].dtype == (mu_dtype or jnp.float32)
     assert base.nu["w"].dtype == (nu_dtype or jnp.float32)
     assert _dtypes(final) == _dtypes(params)
@@ -194,7 +194,7 @@ def test_without_apply_if_finite_one_nan_poisons_the_array_and_its_state():
     poisoned["w"] = poisoned["w"].at[5, 1].set(np.nan)
     final, state = _run(optax_gwt.gwt_adamw(1e-2), params, [poisoned] + grads[1:])
     assert np.all(np.isnan(np.asarray(final["w"])))
-    assert np.isnan(float(state[0].norm_prev["w"]))
+    assert np.isnan(float(state[0][2].norm_prev["w"]))
     # Other arrays are unaffected.
     clean, _ = _run(optax_gwt.gwt_adamw(1e-2), params, grads)
     np.testing.assert_array_equal(np.asarray(final["sq"]), np.asarray(clean["sq"]))

@@ -101,7 +101,7 @@ def test_gwt_state_and_update_shapes_or_a_clear_error(shape_axis, level, wavelet
     want_shape = list(shape)
     if transformed:
         want_shape[axis] = approx
-    base = state[0].base_state
+    base = state[0][1].inner_state
     assert base.mu["p"].shape == tuple(want_shape) and base.nu["p"].shape == tuple(want_shape)
     assert optax_gwt.optimizer_state_bytes(opt, params).per_param["p"] == 2 * np.prod(want_shape) * jnp.dtype(dtype).itemsize + 4
     g = {"p": jnp.asarray(np.random.default_rng(0).standard_normal(shape), dtype)}

@@ -42,18 +42,18 @@ def test_gwt_adamw_state_specs():
     specs = specs_by_path(optax_gwt.gwt_adamw(1e-3, weight_decay=0.1, level=2))
     for moment in ("mu", "nu"):
         # kernel rows 64 -> 16 compressed, divisible by fsdp=4: sharded like the param.
-        assert specs[f"[0].base_state.{moment}['dense']['kernel']"] == P("fsdp", "data")
-        assert specs[f"[0].base_state.{moment}['dense']['bias']"] == P("fsdp")
+        assert specs[f"[0][1].inner_state.{moment}['dense']['kernel']"] == P("fsdp", "data")
+        assert specs[f"[0][1].inner_state.{moment}['dense']['bias']"] == P("fsdp")
         # odd rows 40 -> 10 compressed, not divisible by 4: replicated along that axis.
-        assert specs[f"[0].base_state.{moment}['odd']"] == P()
+        assert specs[f"[0][1].inner_state.{moment}['odd']"] == P()
     scalars = [k for k in specs if "count" in k or "norm_prev" in k]
     assert scalars and all(specs[k] == P() for k in scalars)
 
 
 def test_level_decides_divisibility():
     """Level 3 compresses the kernel's 64 rows to 8: still divisible by fsdp=4; level 5 to 2: not."""
-    assert specs_by_path(optax_gwt.gwt_adamw(1e-3, level=3))["[0].base_state.mu['dense']['kernel']"] == P("fsdp", "data")
-    assert specs_by_path(optax_gwt.gwt_adamw(1e-3, level=5, min_dim_size=64))["[0].base_state.mu['dense']['kernel']"] == P(None, "data")
+    assert specs_by_path(optax_gwt.gwt_adamw(1e-3, level=3))["[0][1].inner_state.mu['dense']['kernel']"] == P("fsdp", "data")
+    assert specs_by_path(optax_gwt.gwt_adamw(1e-3, level=5, min_dim_size=64))["[0][1].inner_state.mu['dense']['kernel']"] == P(None, "data")
 
 
 @pytest.mark.parametrize(
@@ -89,7 +89,7 @@ def test_state_shardings_are_named_on_the_params_mesh():
     out = state_shardings(opt, PARAMS, shardings)
     flat = jax.tree_util.tree_leaves(out)
     assert all(isinstance(s, NamedSharding) and s.mesh == mesh for s in flat)
-    assert out[0].base_state.mu["odd"].spec == P("fsdp")  # size-1 axes divide everything
+    assert out[0][1].inner_state.mu["odd"].spec == P("fsdp")  # size-1 axes divide everything
     # the params' own shardings are used when none are given
     placed = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), PARAMS, shardings)
     assert state_shardings(opt, placed) == out
@@ -107,7 +107,7 @@ def test_unsharded_axis():
         choose(key("missing"), jnp.zeros((8, 4)))
     # as gwt_adamw's axis: the compressed axis is the unsharded one
     opt = optax_gwt.gwt_adamw(1e-3, axis=unsharded_axis({"w": P("fsdp", None)}))
-    assert jax.eval_shape(opt.init, {"w": jnp.zeros((16, 8))})[0].base_state.mu["w"].shape == (16, 2)
+    assert jax.eval_shape(opt.init, {"w": jnp.zeros((16, 8))})[0][1].inner_state.mu["w"].shape == (16, 2)
 
 
 def test_per_device_bytes_against_shard_shapes():
