@@ -22,33 +22,52 @@ __all__ = ["Preconditioner", "GWTBase", "adam_preconditioner", "scale_by_referen
 
 
 class Preconditioner(NamedTuple):
-    """What a base optimizer's step did to the approximation, for the detail rule.
+    """A base optimizer's step on the approximation as a diagonal Adam step.
+
+    ``N = step * mu / (sqrt(nu) + eps)`` per coefficient, so that the
+    ``"adam"`` detail rule can divide each detail by the denominator
+    ``sqrt(nu) + eps`` of its approximation coefficient.
 
     Attributes:
-      denominator: a pytree like the base's params (the approximation), of its
-        per-coefficient denominators ``sqrt(v_hat) + eps`` in bias-corrected units.
-      momentum_correction: ``1 / (1 - b1^t)``, the first moment's bias correction.
+      mu, nu: pytrees like the base's params (the approximation): its first
+        and second moments after the step.
+      step: the scalar ``a`` above, first-moment bias correction included.
+      eps: the scalar ``eps`` above, in units of the uncorrected ``sqrt(nu)``.
+      unbiased_step: ``step`` without the first moment's bias correction
+        ``1 / (1 - b1^t)`` (for details without it).
       step_scale: the scalar the base multiplied its step by that the
         norm-growth limiter does not see (the reference Adam's
         ``sqrt(1 - b2^t) / (1 - b1^t)``; 1 for `optax.scale_by_adam`).
     """
 
-    denominator: Any
-    momentum_correction: jax.Array
+    mu: Any
+    nu: Any
+    step: jax.Array
+    eps: jax.Array
+    unbiased_step: jax.Array
     step_scale: jax.Array
 
 
 class GWTBase(NamedTuple):
-    """A `GradientTransformationExtraArgs` that also states its `Preconditioner`.
+    """An Optax transformation that GWT's stages know more of: its `Preconditioner`.
 
-    `on_approximation` reads ``preconditioner(new_state)`` after each step and
-    passes ``haar_signals`` (per leaf, the full gradient in Haar closed form,
-    or None) to ``update``, which may compute its moments from it directly.
+    ``init`` and ``update`` are an ordinary `optax.GradientTransformation`.
+    `on_approximation` reads ``preconditioner(new_state)`` after each step
+    (its step must equal the `Preconditioner`'s formula, so that
+    `wavelet_inverse` may rebuild it from the moments fused with the inverse
+    transform), and calls ``update_on_approximation(updates, state,
+    haar_signals)`` instead of ``update``: the same step, given per leaf the
+    full gradient of a Haar closed-form approximation as ``(G, axis, B)`` (or
+    None), from which a compiled kernel may compute the moments in one read;
+    it returns ``(updates, state, sq_norms)``, with per leaf the squared norm
+    of the step divided by its ``step_scale`` (the norm-growth limiter's
+    input; the kernel computes it in the same read), or None.
     """
 
     init: optax.TransformInitFn
-    update: Callable[..., tuple[Any, optax.OptState]]
+    update: optax.TransformUpdateExtraArgsFn
     preconditioner: Callable[[optax.OptState], Optional[Preconditioner]]
+    update_on_approximation: Callable[[Any, optax.OptState, Any], tuple[Any, optax.OptState, Any]]
 
 
 def _scalar_dtype(tree: Any) -> np.dtype:
@@ -77,22 +96,25 @@ def adam_preconditioner(
     """The `Preconditioner` of an Adam base, read from its `optax.ScaleByAdamState`.
 
     With ``t`` the state's count, ``bc1 = 1 - b1^t`` and ``bc2 = 1 - b2^t``
-    (both 1 without `bias_correction`):
+    (both 1 without `bias_correction`), both forms of Adam's step are
+    ``sqrt(bc2) / bc1 * mu / (sqrt(nu) + e)``:
 
-    * `optax.scale_by_adam` (``reference=False``): ``denominator =
-      sqrt(nu / bc2) + eps``, ``step_scale = 1``;
-    * `scale_by_reference_adam` (``reference=True``): its step
-      ``sqrt(bc2) / bc1 * mu / (sqrt(nu) + eps)`` has ``denominator =
-      (sqrt(nu) + eps) / sqrt(bc2)`` and ``step_scale = sqrt(bc2) / bc1``;
+    * `optax.scale_by_adam` (``reference=False``), ``mu_hat / (sqrt(nu_hat) + eps)``:
+      ``e = eps * sqrt(bc2)``, ``step_scale = 1``;
+    * `scale_by_reference_adam` (``reference=True``): ``e = eps``,
+      ``step_scale = sqrt(bc2) / bc1`` (the reference's limiter sees the
+      uncorrected step).
 
-    and ``momentum_correction = 1 / bc1``. Pass the base's own `b1`, `b2`,
-    `eps`. A state without an Adam state gives None (no ``"adam"`` rule).
+    Pass the base's own `b1`, `b2`, `eps`. A state without an Adam state gives
+    None (then ``"auto"`` picks the ``"norm_ratio"`` rule).
 
     Example:
-      >>> import optax, optax_gwt
-      >>> pre = optax_gwt.adam_preconditioner(eps=1e-6)
-      >>> base = optax.scale_by_adam(eps=1e-6)
-      >>> tx = optax_gwt.on_approximation(base, preconditioner=pre)
+      >>> import jax.numpy as jnp, optax, optax_gwt
+      >>> read = optax_gwt.adam_preconditioner(eps=1e-6)
+      >>> adam = optax.scale_by_adam(eps=1e-6)
+      >>> _, state = adam.update({"w": jnp.ones(2)}, adam.init({"w": jnp.zeros(2)}))
+      >>> [round(float(x), 4) for x in read(state).nu["w"]]
+      [0.001, 0.001]
     """
 
     def read(state: optax.OptState) -> Optional[Preconditioner]:
@@ -101,15 +123,12 @@ def adam_preconditioner(
             return None
         dt = _scalar_dtype(adam.nu)
         t = adam.count.astype(dt)
-        bc1 = 1 - jnp.asarray(b1, dt) ** t if bias_correction else jnp.ones([], dt)
-        bc2 = 1 - jnp.asarray(b2, dt) ** t if bias_correction else jnp.ones([], dt)
-        if reference:
-            den = lambda v: (jnp.sqrt(v.astype(dt)) + eps) / jnp.sqrt(bc2)
-            step_scale = jnp.sqrt(bc2) / bc1
-        else:
-            den = lambda v: jnp.sqrt(v.astype(dt) / bc2) + eps
-            step_scale = jnp.ones([], dt)
-        return Preconditioner(jax.tree_util.tree_map(den, adam.nu), 1 / bc1, step_scale)
+        one = jnp.ones([], dt)
+        bc1 = 1 - jnp.asarray(b1, dt) ** t if bias_correction else one
+        root_bc2 = jnp.sqrt(1 - jnp.asarray(b2, dt) ** t) if bias_correction else one
+        step = root_bc2 / bc1
+        e = jnp.asarray(eps, dt) * (one if reference else root_bc2)
+        return Preconditioner(adam.mu, adam.nu, step, e, root_bc2, step if reference else one)
 
     return read
 
@@ -161,7 +180,7 @@ def scale_by_reference_adam(
       >>> state = adam.init({"w": jnp.zeros(3)})
       >>> out, state = adam.update({"w": jnp.array([1.0, -2.0, 0.0])}, state)
       >>> [round(float(x), 3) for x in out["w"]]
-      [0.316, -0.316, 0.0]
+      [1.0, -1.0, 0.0]
     """
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
     nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
@@ -172,19 +191,18 @@ def scale_by_reference_adam(
         return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
     def moments(g, m, v, signal):
+        """``(m, v, ||m / (sqrt(v) + eps)||^2)`` of one leaf (the limiter's input)."""
         if cpu_kernel and signal is not None and _cpu_kernel.applies(signal[0], m, v):
             gradient, axis, block = signal
-            new_m, new_v, _ = _cpu_kernel.haar_adam_moments(gradient, m, v, axis=axis, block=block, b1=b1, b2=b2, eps=eps)
-            return new_m, new_v
-        return _moment(g, m, b1, 1), _moment(g, v, b2, 2)
+            return _cpu_kernel.haar_adam_moments(gradient, m, v, axis=axis, block=block, b1=b1, b2=b2, eps=eps)
+        m, v = _moment(g, m, b1, 1), _moment(g, v, b2, 2)
+        return m, v, jnp.sum(jnp.square(m / (jnp.sqrt(v) + eps)))
 
-    def update_fn(updates, state, params=None, *, haar_signals=None, **extra_args):
-        del params, extra_args
+    def step(updates, state, haar_signals):
         count = optax.safe_increment(state.count)
         signals = haar_signals if haar_signals is not None else jax.tree.map(lambda _: None, updates)
         new = jax.tree.map(moments, updates, state.mu, state.nu, signals, is_leaf=lambda x: x is None)
-        mu = jax.tree.map(lambda _, x: x[0], updates, new)
-        nu = jax.tree.map(lambda _, x: x[1], updates, new)
+        mu, nu, sq_norms = (jax.tree.map(lambda _, x: x[i], updates, new) for i in range(3))
         factor = 1.0
         if bias_correction:
             t = count.astype(_scalar_dtype(updates))
@@ -192,7 +210,11 @@ def scale_by_reference_adam(
         out = jax.tree.map(lambda m, v, g: (factor * m / (jnp.sqrt(v) + eps)).astype(g.dtype), mu, nu, updates)
         mu = jax.tree.map(lambda m, old: m.astype(old.dtype), mu, state.mu)
         nu = jax.tree.map(lambda v, old: v.astype(old.dtype), nu, state.nu)
-        return out, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+        return out, optax.ScaleByAdamState(count=count, mu=mu, nu=nu), sq_norms
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        return step(updates, state, None)[:2]
 
     precond = adam_preconditioner(b1, b2, eps, reference=True, bias_correction=bias_correction)
-    return GWTBase(init_fn, update_fn, precond)
+    return GWTBase(init_fn, update_fn, precond, step)

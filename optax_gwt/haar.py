@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from optax_gwt.sharding import _explicit_sharding
 
-__all__ = ["block_sums", "repeat_blocks"]
+__all__ = ["block_sums", "repeat_blocks", "adam_update"]
 
 
 def block_sums(x: jax.Array, axis: int, block: int) -> jax.Array:
@@ -60,3 +60,52 @@ def repeat_blocks(x: jax.Array, axis: int, block: int, length: int) -> jax.Array
     if out.shape[axis] != length:
         out = jax.lax.slice_in_dim(out, 0, length, axis=axis)
     return out
+
+
+def adam_update(
+    g: jax.Array,
+    approx: jax.Array,
+    mu: jax.Array,
+    nu: jax.Array,
+    *,
+    axis: int,
+    block: int,
+    eps: jax.Array | float,
+    approx_factor: jax.Array,
+    detail_factor: jax.Array,
+) -> jax.Array:
+    """Haar GWT's update of one array with a diagonal Adam step on its approximation.
+
+    The closed form of `wavelet_inverse` after `on_approximation` with a
+    `GWTBase` Adam: an explicit fusion of the two stages' math, whose plain
+    chain (the step materialised per block, then `inverse_leaf`) is its
+    reference.
+
+    With ``den = sqrt(nu) + eps`` and everything per block repeated in place,
+    returns ``(G - mean) * d / den + (a * mu / den) / sqrt(B)`` where ``mean =
+    approx / sqrt(B)``, ``a = approx_factor`` and ``d = detail_factor`` (the
+    closed form of ``waverec([a * mu / den, D * d / den, ...])``). The moments
+    are repeated *before* the square root and the division, so XLA compiles the
+    whole expression into the one loop that also applies the update to the
+    params: no per-block temporary is written (a per-block denominator would be
+    materialised, as XLA does not duplicate a square root into a broadcast), and
+    the temporary buffers, freshly mapped on every call on CPU, stay empty.
+
+    Args:
+      g: the gradient, length ``n`` along `axis`.
+      approx: its Haar approximation (block sums over ``sqrt(B)``), ``ceil(n / B)`` along `axis`.
+      mu, nu: Adam's moments of `approx`, same shape as it.
+      axis, block: the transform axis and ``B = 2^level``.
+      eps: added to ``sqrt(nu)``.
+      approx_factor, detail_factor: scalars (bias correction, limiter).
+    """
+    n = g.shape[axis]
+    dtype = g.dtype
+    rep = lambda x: repeat_blocks(x.astype(dtype), axis, block, n)
+    s = jnp.asarray(block**-0.5, dtype)
+    # ``+ 0 * g`` (exact: a non-finite G already makes the whole update NaN) keeps
+    # XLA from hoisting the square root before the repeat, where it would be
+    # materialised per block instead of fused.
+    den = jnp.sqrt(rep(nu) + jnp.zeros([], dtype) * g) + jnp.asarray(eps, dtype)
+    numerator = (g - rep(approx) * s) * detail_factor.astype(dtype) + rep(mu) * (approx_factor.astype(dtype) * s)
+    return numerator / den

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +22,7 @@ import numpy as np
 from optax_gwt import haar, wavelets
 from optax_gwt import sharding as sharding_lib
 
-__all__ = ["LeafSpec", "WaveletProjection", "WaveletCoefficients", "project_leaf", "inverse_leaf"]
+__all__ = ["LeafSpec", "WaveletProjection", "WaveletCoefficients", "AdamTerms", "project_leaf", "inverse_leaf"]
 
 AxisSpec = Union[None, int, Callable[[tuple, jax.Array], Optional[int]], Any]
 MaskSpec = Union[None, Any, Callable[[Any], Any]]
@@ -194,6 +194,20 @@ def _broadcast_prefix(prefix, tree, treedef, what: str) -> list:
 # ---------------------------------------------------------------------------
 
 
+class AdamTerms(NamedTuple):
+    """One array's part of a `Preconditioner`: ``N = step * mu / (sqrt(nu) + eps)``."""
+
+    mu: jax.Array
+    nu: jax.Array
+    step: jax.Array
+    eps: jax.Array
+    unbiased_step: jax.Array
+
+    def denominator(self) -> jax.Array:
+        """``sqrt(nu) + eps`` per approximation coefficient, in float32 at least."""
+        return jnp.sqrt(self.nu.astype(jnp.promote_types(self.nu.dtype, jnp.float32))) + self.eps
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class WaveletCoefficients:
@@ -214,28 +228,32 @@ class WaveletCoefficients:
         are the gradient minus its block means), else None.
       grad_approx: the gradient's approximation ``cA`` (kept after `approx`
         becomes the step; laid out like the gradient on an explicit mesh).
-      denominator: from `on_approximation` with a base that states one: its
-        per-coefficient denominator ``sqrt(v_hat) + eps`` (approx's shape).
-      momentum_correction: with it, the base's first-moment bias correction
-        ``1 / (1 - b1^t)`` (a scalar).
+      adam: from `on_approximation` with a base that states a `Preconditioner`:
+        its step as a diagonal Adam step, ``(mu, nu, step, eps, unbiased_step)``
+        for this array (``N = step * mu / (sqrt(nu) + eps)``), else None.
       step_scale: from `on_approximation`: the scalar the base multiplied its
         step by that the norm-growth limiter does not see (1 but for the
         reference Adam's ``sqrt(1 - b2^t) / (1 - b1^t)``).
+      sq_norm: from `on_approximation` with a `GWTBase`: the squared norm of
+        ``approx / step_scale`` (the limiter's input), else None.
       limit: from `limit_norm_growth`: the factor ``lam`` the step was divided by.
       spec: static: how the array was transformed.
       sharding: static: the gradient's sharding on a mesh of explicit axes, else None.
+      exact: static: whether ``approx`` equals the `adam` formula (the base is a
+        `GWTBase`), so that `wavelet_inverse` may rebuild it from the moments.
     """
 
     approx: jax.Array
     details: tuple = ()
     signal: Optional[jax.Array] = None
     grad_approx: Optional[jax.Array] = None
-    denominator: Optional[jax.Array] = None
-    momentum_correction: Optional[jax.Array] = None
+    adam: Optional[AdamTerms] = None
     step_scale: Optional[jax.Array] = None
+    sq_norm: Optional[jax.Array] = None
     limit: Optional[jax.Array] = None
     spec: LeafSpec = dataclasses.field(default=None, metadata=dict(static=True))
     sharding: Any = dataclasses.field(default=None, metadata=dict(static=True))
+    exact: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def replace(self, **changes) -> "WaveletCoefficients":
         return dataclasses.replace(self, **changes)

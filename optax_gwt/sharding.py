@@ -255,8 +255,8 @@ def zeros_following(param: Any, shape: tuple, dtype: Any) -> jax.Array:
 
     A parameter sharded over a mesh gives zeros sharded by the module
     docstring's rule (replicated along a compressed axis the mesh does not
-    divide, and for scalars); a parameter on one device gives zeros on that
-    device. This is what makes an eager ``tx.init(params)`` (as
+    divide, and for scalars); otherwise the zeros are not committed to a
+    device, as ``jnp.zeros`` makes them. This is what makes an eager ``tx.init(params)`` (as
     ``nnx.Optimizer`` calls it) spread the compressed moments over the mesh
     instead of leaving them on the default device.
     """
@@ -265,9 +265,6 @@ def zeros_following(param: Any, shape: tuple, dtype: Any) -> jax.Array:
         if isinstance(param, jax.core.Tracer):
             return jnp.zeros(shape, dtype, out_sharding=sharding)
         return jnp.zeros(shape, dtype, device=sharding)
-    device = getattr(param, "sharding", None)
-    if isinstance(device, jax.sharding.SingleDeviceSharding) and not isinstance(param, jax.core.Tracer):
-        return jnp.zeros(shape, dtype, device=device)
     return jnp.zeros(shape, dtype)
 
 

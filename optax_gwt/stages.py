@@ -20,16 +20,18 @@ projection.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from optax_gwt import haar
 from optax_gwt import sharding as sharding_lib
 from optax_gwt.adam import GWTBase, Preconditioner, _scalar_dtype
 from optax_gwt.projection import (
-    WaveletCoefficients, WaveletProjection, compute_dtype, inverse_leaf, is_coefficients, project_leaf,
+    AdamTerms, WaveletCoefficients, WaveletProjection, compute_dtype, inverse_leaf, is_coefficients, project_leaf,
 )
 
 __all__ = [
@@ -199,10 +201,16 @@ def on_approximation(
         _check_projection(leaves, treedef, projection)
         inner_in = treedef.unflatten([x.approx.astype(x.spec.dtype) if is_coefficients(x) else x for x in leaves])
         _check_state(inner, inner_in, state.inner_state)
-        kwargs = {"haar_signals": _haar_signals(leaves, treedef)} if isinstance(inner, GWTBase) else {}
-        steps, inner_state = inner.update(inner_in, state.inner_state, _approx_params(params, projection), **kwargs)
+        if isinstance(inner, GWTBase):
+            steps, inner_state, sq_norms = inner.update_on_approximation(
+                inner_in, state.inner_state, _haar_signals(leaves, treedef))
+            sq_norms = treedef.flatten_up_to(sq_norms)
+        else:
+            steps, inner_state = inner.update(inner_in, state.inner_state, _approx_params(params, projection))
+            sq_norms = [None] * len(leaves)
         pre = preconditioner(inner_state) if preconditioner is not None else None
-        out = _carry(leaves, treedef.flatten_up_to(steps), pre, treedef)
+        out = _carry(leaves, treedef.flatten_up_to(steps), pre, treedef, isinstance(inner, GWTBase))
+        out = [x.replace(sq_norm=sq) if is_coefficients(x) else x for x, sq in zip(out, sq_norms)]
         return treedef.unflatten(out), OnApproximationState(inner_state)
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -228,19 +236,21 @@ def _haar_signals(leaves: list, treedef) -> Any:
     return treedef.unflatten([one(x) for x in leaves])
 
 
-def _carry(leaves: list, steps: list, pre: Optional[Preconditioner], treedef) -> list:
-    """The base's steps put into the nodes, with its preconditioner's named parts."""
-    dens = treedef.flatten_up_to(pre.denominator) if pre is not None else [None] * len(leaves)
+def _carry(leaves: list, steps: list, pre: Optional[Preconditioner], treedef, exact: bool) -> list:
+    """The base's steps put into the nodes, with its preconditioner's terms for each."""
+    mus = treedef.flatten_up_to(pre.mu) if pre is not None else [None] * len(leaves)
+    nus = treedef.flatten_up_to(pre.nu) if pre is not None else [None] * len(leaves)
     out = []
-    for x, n, den in zip(leaves, steps, dens):
+    for x, n, mu, nu in zip(leaves, steps, mus, nus):
         if not is_coefficients(x):
             out.append(n)
             continue
-        dt = compute_dtype(x.spec.dtype)
-        scalars = dict(momentum_correction=None, step_scale=jnp.ones([], _scalar_dtype(n)))
-        if pre is not None:
-            scalars = dict(momentum_correction=pre.momentum_correction, step_scale=pre.step_scale)
-        out.append(x.replace(approx=n.astype(dt), denominator=den, **scalars))
+        approx = n.astype(compute_dtype(x.spec.dtype))
+        if pre is None:
+            out.append(x.replace(approx=approx, step_scale=jnp.ones([], _scalar_dtype(n))))
+            continue
+        terms = AdamTerms(mu, nu, pre.step, pre.eps, pre.unbiased_step)
+        out.append(dataclasses.replace(x, approx=approx, adam=terms, step_scale=pre.step_scale, exact=exact))
     return out
 
 
@@ -309,8 +319,11 @@ def limit_norm_growth(gamma: float = 1.01) -> optax.GradientTransformation:
         out, new_prev = list(leaves), list(r_prev)
         if index:
             dt = _scalar_dtype([r_prev[k] for k in index])
-            norm = lambda x: jnp.sqrt(jnp.sum(jnp.square(x.approx.astype(dt)))) / x.step_scale.astype(dt)
-            r = jnp.stack([norm(leaves[k]) for k in index])
+            # ||approx / step_scale|| of every array as one vector: one op, not one per array.
+            given = lambda x: x.sq_norm is not None
+            sq = jnp.stack([x.sq_norm if given(x) else jnp.sum(jnp.square(x.approx)) for x in (leaves[k] for k in index)])
+            scale = jnp.stack([jnp.ones([], dt) if given(x) else x.step_scale for x in (leaves[k] for k in index)])
+            r = jnp.sqrt(sq.astype(dt)) / scale.astype(dt)
             prev = jnp.stack([r_prev[k].astype(dt) for k in index])
             lam = jnp.where(state.count == 0, 1.0, jnp.maximum(r / (prev + 1e-8), gamma) / gamma).astype(dt)
             for j, k in enumerate(index):
@@ -329,20 +342,47 @@ def limit_norm_growth(gamma: float = 1.01) -> optax.GradientTransformation:
 
 def _detail_weight(x: WaveletCoefficients, rule: str, bias_correct_details: bool) -> Optional[jax.Array]:
     """The factor of the details (per approximation coefficient, a scalar, or None)."""
-    if rule == "auto":
-        rule = "adam" if x.denominator is not None else "norm_ratio"
     if rule == "zero":
         return None
     if rule == "norm_ratio":
         norm = lambda a: jnp.sqrt(jnp.sum(jnp.square(a.astype(_scalar_dtype(a)))))
         a_norm = norm(x.grad_approx)
         return jnp.where(a_norm > 0, norm(x.approx) / jnp.where(a_norm > 0, a_norm, 1.0), 0.0)
-    _require(x.denominator is not None, "wavelet_inverse", "detail_rule='adam' needs the base's denominator: give "
-             "on_approximation a preconditioner (optax_gwt.adam_preconditioner for optax.scale_by_adam), or use "
-             "'norm_ratio' or 'zero'")
-    correction = x.momentum_correction if bias_correct_details else 1.0
-    lam = 1.0 if x.limit is None else x.limit
-    return correction / (x.denominator * lam)
+    return _adam_detail_factor(x, bias_correct_details) / (x.adam.denominator() * _limit(x))
+
+
+def _adam_detail_factor(x: WaveletCoefficients, bias_correct_details: bool) -> jax.Array:
+    return x.adam.step if bias_correct_details else x.adam.unbiased_step
+
+
+def _limit(x: WaveletCoefficients) -> jax.Array:
+    return jnp.ones([], x.approx.dtype) if x.limit is None else x.limit
+
+
+def _resolve_rule(x: WaveletCoefficients, rule: str) -> str:
+    _require(x.step_scale is not None, "wavelet_inverse", f"{x.spec.path} has not been through on_approximation")
+    if rule == "auto":
+        return "adam" if x.adam is not None else "norm_ratio"
+    _require(rule != "adam" or x.adam is not None, "wavelet_inverse", "detail_rule='adam' needs the base's "
+             "denominator: give on_approximation a preconditioner (optax_gwt.adam_preconditioner for "
+             "optax.scale_by_adam), or use 'norm_ratio' or 'zero'")
+    return rule
+
+
+def _inverse_node(x: WaveletCoefficients, rule: str, bias_correct_details: bool, clip: Optional[float]) -> jax.Array:
+    """The full-size update of one node (before `scale`), in its compute dtype."""
+    rule = _resolve_rule(x, rule)
+    fused = (rule == "adam" and clip is None and x.exact and x.spec.closed_form
+             and x.adam.mu.dtype == x.approx.dtype == x.adam.nu.dtype)
+    if not fused:
+        return inverse_leaf(x, _detail_weight(x, rule, bias_correct_details), clip)
+    # The explicit fusion of a `GWTBase` Adam's step with the Haar inverse: the
+    # step is rebuilt from the moments inside the full-size pass (haar.adam_update).
+    lam = _limit(x)
+    return haar.adam_update(
+        x.signal, x.grad_approx, x.adam.mu, x.adam.nu, axis=x.spec.axis, block=x.spec.block, eps=x.adam.eps,
+        approx_factor=x.adam.step / lam, detail_factor=_adam_detail_factor(x, bias_correct_details) / lam,
+    )
 
 
 def wavelet_inverse(
@@ -399,8 +439,7 @@ def wavelet_inverse(
     def one(x):
         if not is_coefficients(x):
             return x
-        _require(x.step_scale is not None, "wavelet_inverse", f"{x.spec.path} has not been through on_approximation")
-        u = inverse_leaf(x, _detail_weight(x, detail_rule, bias_correct_details), detail_clip)
+        u = _inverse_node(x, detail_rule, bias_correct_details, detail_clip)
         u = (u * jnp.asarray(scale, u.dtype)).astype(x.spec.dtype)
         return sharding_lib.reshard_to(u, x.sharding)
 

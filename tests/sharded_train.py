@@ -221,7 +221,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.restore:
         restored = ocp.StandardCheckpointer().restore(os.path.abspath(args.restore), run.abstract_checkpoint())
         params, opt_state = restored["params"], restored["opt_state"]
-        start = int(opt_state[0].count)
+        start = int(opt_state[0][2].count)  # the limiter counts the steps
     else:
         params = run.init_params(jax.random.PRNGKey(0))
         opt_state = run.init_state(params)
