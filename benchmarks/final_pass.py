@@ -6,7 +6,7 @@ Run from the repository root::
 
 Times, in one process and in alternating rounds, the donated jitted loop
 ``p <- (p - lr * u)(1 - lr * wd)`` over the 56 attention and MLP kernels of
-LLaMA-60M for the ``u`` of `optax_gwt.kernels.haar_adam_update` (what GWT-2's
+LLaMA-60M for the ``u`` of `optax_gwt.haar.haar_adam_update` (what GWT-2's
 train step runs after the moments) and for variants that each drop one part of
 it: the block means recomputed from ``G``, the square root and division, and
 everything but ``G`` itself (an axpy, the floor of a pass that reads ``P, G``
@@ -24,18 +24,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.llama_shapes import CONFIGS, llama_params
-from optax_gwt import kernels
+from optax_gwt import haar
 
 LR, WD, BLOCK = 1e-3, 0.01, 4
 
 
 def _variants() -> dict:
-    rep = lambda x, n: kernels.repeat_blocks(x, 0, BLOCK, n)
-    mean = lambda g: kernels.block_sums(g, 0, BLOCK) / BLOCK
+    rep = lambda x, n: haar.repeat_blocks(x, 0, BLOCK, n)
+    mean = lambda g: haar.block_sums(g, 0, BLOCK) / BLOCK
 
     def gwt(g, m, v, lam):
-        approx = kernels.block_sums(g, 0, BLOCK) * BLOCK**-0.5
-        return kernels.haar_adam_update(
+        approx = haar.block_sums(g, 0, BLOCK) * BLOCK**-0.5
+        return haar.adam_update(
             g, approx, m, v, axis=0, block=BLOCK, eps=1e-6, approx_factor=0.9 / lam, detail_factor=0.8 / lam
         )
 

@@ -6,29 +6,17 @@ the output head ``(hidden, vocab)`` (untied), RMSNorm scales ``(hidden,)``.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import numpy as np
+
+from examples.llama import model
+from examples.llama.model import LlamaConfig
 
 __all__ = ["LlamaConfig", "CONFIGS", "llama_params", "is_attention_or_mlp", "param_labels"]
 
 
-class LlamaConfig(NamedTuple):
-    hidden: int
-    intermediate: int
-    heads: int
-    layers: int
-    vocab: int = 32000
-
-
-#: hidden / intermediate / heads / layers of the papers' configurations.
-CONFIGS = {
-    "60m": LlamaConfig(512, 1376, 8, 8),
-    "130m": LlamaConfig(768, 2048, 12, 12),
-    "350m": LlamaConfig(1024, 2736, 16, 24),
-    "1b": LlamaConfig(2048, 5461, 32, 24),
-}
+#: The papers' configurations, as the LLaMA example defines them.
+CONFIGS = {name: model.CONFIGS[name] for name in ("60m", "130m", "350m", "1b")}
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -36,7 +24,7 @@ _MLP = ("gate_proj", "up_proj", "down_proj")
 
 def llama_shapes(cfg: LlamaConfig) -> dict:
     """The nested dict of parameter shapes of one model."""
-    h, f = cfg.hidden, cfg.intermediate
+    h, f = cfg.hidden_size, cfg.intermediate_size
     layer = {
         "attention": {name: {"kernel": (h, h)} for name in _ATTENTION},
         "mlp": {"gate_proj": {"kernel": (h, f)}, "up_proj": {"kernel": (h, f)}, "down_proj": {"kernel": (f, h)}},
@@ -44,10 +32,10 @@ def llama_shapes(cfg: LlamaConfig) -> dict:
         "post_attention_norm": {"scale": (h,)},
     }
     return {
-        "embed": {"embedding": (cfg.vocab, h)},
-        "layers": {f"layer_{i}": layer for i in range(cfg.layers)},
+        "embed": {"embedding": (cfg.vocab_size, h)},
+        "layers": {f"layer_{i}": layer for i in range(cfg.num_layers)},
         "final_norm": {"scale": (h,)},
-        "lm_head": {"kernel": (h, cfg.vocab)},
+        "lm_head": {"kernel": (h, cfg.vocab_size)},
     }
 
 

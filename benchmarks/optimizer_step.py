@@ -18,7 +18,7 @@ medians of alternating runs and ratios within one run mean anything):
 
 and the memory traffic of (b) read from its compiled HLO: fusions, bytes read
 and written per parameter, full-size reads per parameter
-(`benchmarks.hlo_traffic`). GWT, GaLore and Adafactor run on the attention and
+(`optax_gwt.hlo_traffic`). GWT, GaLore and Adafactor run on the attention and
 MLP kernels, as in the GWT paper; the embedding, the output head and the norms
 get `optax.adamw` through `optax.multi_transform`. ``gwt2-xla`` is GWT-2 without the compiled CPU kernel
 (`optax_gwt.cpu_kernel`), XLA alone. The AdamW baseline is
@@ -46,7 +46,7 @@ import numpy as np
 import optax
 
 import optax_gwt
-from benchmarks.hlo_traffic import entry_traffic
+from optax_gwt.hlo_traffic import entry_traffic
 from benchmarks.llama_shapes import CONFIGS, llama_params, param_labels
 
 LEARNING_RATE = 1e-3
@@ -361,7 +361,7 @@ def main(argv=None):
         cfg = CONFIGS[model]
         for scope in scopes:
             params = llama_params(cfg, only_attention_mlp=scope == "matrices")
-            opts = optimizers(cfg.hidden, param_labels(params), names)
+            opts = optimizers(cfg.hidden_size, param_labels(params), names)
             print(f"{model} [{scope}] ...", flush=True)
             res = measure(opts, params, args.rounds, args.inner)
             res["scope"] = scope

@@ -213,6 +213,14 @@ def decay_weights_after_step(
     ``p_new = (p + u) * (1 - lr_t * weight_decay)``. (`optax.add_decayed_weights`
     decays the parameter before the step instead; the two differ by
     ``lr_t^2 * weight_decay * |U|``.)
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optax_gwt
+      >>> tx = optax.chain(optax.scale(-0.5), optax_gwt.decay_weights_after_step(0.1, 1.0))
+      >>> params = {"w": jnp.array([2.0])}
+      >>> u, _ = tx.update({"w": jnp.array([1.0])}, tx.init(params), params)
+      >>> optax.apply_updates(params, u)["w"]  # (2 - 0.5) * (1 - 0.1)
+      Array([1.35], dtype=float32)
     """
 
     def init_fn(params):

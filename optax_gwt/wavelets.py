@@ -355,6 +355,15 @@ def wavedec(
       are `coeff_lengths(n, wavelet, level, mode)`. ``level=None`` means
       `dwt_max_level`. Like PyWavelets, a level deeper than that is computed
       (the boundary effects then dominate); `scale_by_gwt` refuses it.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, pywt, optax_gwt
+      >>> x = np.arange(10.0)
+      >>> ours = optax_gwt.wavedec(jnp.asarray(x), "db2", "symmetric", level=2)
+      >>> [c.shape for c in ours]
+      [(4,), (4,), (6,)]
+      >>> all(np.allclose(a, b, atol=1e-5) for a, b in zip(ours, pywt.wavedec(x, "db2", "symmetric", level=2)))
+      True
     """
     axis = _normalize_axis(axis, x.ndim)
     if level is None:
@@ -379,6 +388,13 @@ def waverec(coeffs: Sequence[jax.Array | None], wavelet: str = "haar", mode: str
     Returns:
       The reconstruction; its length along `axis` may exceed the original
       signal's by one per level (PyWavelets' convention): cut it to size.
+
+    Example:
+      >>> import jax.numpy as jnp, optax_gwt
+      >>> x = jnp.arange(8.0).reshape(4, 2)
+      >>> coeffs = optax_gwt.wavedec(x, "haar", "zero", level=2, axis=0)
+      >>> bool(jnp.allclose(optax_gwt.waverec(coeffs, "haar", "zero", axis=0), x, atol=1e-6))
+      True
     """
     if len(coeffs) < 1 or coeffs[0] is None:
         raise ValueError("waverec needs at least the approximation coefficients")

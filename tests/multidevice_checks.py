@@ -249,3 +249,33 @@ def test_explicit_axes_mesh():
             assert_trees_close((updates, state), expected, rtol=1e-5)
     for leaf, sharding in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(ssh)):
         assert leaf.sharding.spec == sharding.spec
+
+
+def _hand_chain():
+    proj = optax_gwt.WaveletProjection(level=2)
+    return optax.chain(optax_gwt.wavelet_project(proj),
+                       optax_gwt.on_approximation(optax_gwt.scale_by_reference_adam(), proj),
+                       optax_gwt.limit_norm_growth(), optax_gwt.wavelet_inverse(), optax.scale_by_learning_rate(1e-3))
+
+
+@pytest.mark.parametrize("make", [lambda: optax_gwt.gwt_adamw(1e-3), _hand_chain], ids=["gwt_adamw", "hand_chain"])
+def test_eager_init_state_follows_the_params(make):
+    """An eager ``tx.init(params)`` (what nnx.Optimizer does) lays the compressed moments out like their
+    param: split over all 8 devices when the param's split axis is not the transform axis, replicated
+    (never one device) where the compressed axis cannot be split."""
+    mesh = mesh_of({"fsdp": 8})
+    params = {"w": jnp.ones((64, 256)), "t": jnp.ones((40, 16))}
+    specs = {"w": P(None, "fsdp"), "t": P("fsdp")}  # t: its transform axis 0 is the split one, 40 / 4 = 10 rows
+    sharded = jax.device_put(params, shardings(mesh, specs))
+    state = make().init(sharded)
+    of_type = lambda kind: [s for s in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, kind))
+                            if isinstance(s, kind)][0]
+    moments = of_type(optax_gwt.OnApproximationState).inner_state
+    for moment in (moments.mu, moments.nu):
+        assert moment["w"].sharding.spec == P(None, "fsdp") and len(moment["w"].sharding.device_set) == 8
+        assert moment["w"].addressable_shards[0].data.shape == (16, 32)
+        assert moment["t"].sharding.is_fully_replicated and len(moment["t"].sharding.device_set) == 8
+    assert all(len(x.sharding.device_set) == 8 for x in jax.tree_util.tree_leaves(of_type(optax_gwt.LimitNormGrowthState).norm_prev))
+    # ... and the update runs on that state.
+    updates, _ = jax.jit(make().update)(sharded, state, sharded)
+    assert updates["w"].sharding.spec == P(None, "fsdp")

@@ -21,7 +21,7 @@ import optax
 import pytest
 
 import optax_gwt
-from benchmarks.hlo_traffic import entry_instructions
+from optax_gwt.hlo_traffic import entry_instructions
 from optax_gwt import cpu_kernel
 from reference import ReferenceGWTAdamW
 
