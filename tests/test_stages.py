@@ -61,6 +61,25 @@ def test_hand_chain_equals_gwt_adamw_bit_for_bit(kernel):
     chex.assert_trees_all_equal(got, want)
 
 
+class HandChainWithAndWithoutJit(chex.TestCase):
+    """The stages run eagerly and under jit, and agree with the jitted builder (as Optax tests its transforms)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_hand_chain_step(self):
+        shapes = {"w": (37, 6), "b": (6,)}
+        proj = optax_gwt.WaveletProjection(level=2, wavelet="db2", mode="symmetric")
+        tx = hand_chain(proj)
+        params = {k: jnp.asarray(np.random.default_rng(1).standard_normal(s).astype(np.float32)) for k, s in shapes.items()}
+        state, update = tx.init(params), self.variant(tx.update)
+        for g in grads_seq(shapes, 3, dtype=np.float32):
+            u, state = update(jax.tree.map(jnp.asarray, g), state, params)
+            params = optax.apply_updates(params, u)
+        want, _ = trajectory(optax_gwt.gwt_adamw(LR, weight_decay=WD, level=2, wavelet="db2", mode="symmetric"),
+                             shapes, steps=3, dtype=np.float32)
+        chex.assert_trees_all_close(params, want[-1], rtol=1e-5, atol=1e-6)
+        chex.assert_shape(state[1].inner_state.mu["w"], (11, 6))  # pywt: 37 -> 20 -> 11
+
+
 CASES = [
     dict(level=1, wavelet="haar", mode="zero"),
     dict(level=2, wavelet="haar", mode="symmetric"),
