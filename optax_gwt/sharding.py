@@ -11,7 +11,7 @@ chooses a transform axis that avoids the sharded ones.
 Layout rule, for every array of the state of ``optimizer.init(params)``:
 
 * an array that belongs to a parameter (its path in the state ends with the
-  parameter's path, as in ``state[0].base_state.mu["w"]``) and has the
+  parameter's path, as in ``state[0][1].inner_state.mu["w"]``) and has the
   parameter's rank gets the parameter's `PartitionSpec`;
 * along an axis where its length differs from the parameter's (the
   compressed transform axis, ``ceil(n / 2^level)`` long for Haar) the mesh axes

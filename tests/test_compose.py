@@ -9,6 +9,34 @@ import pytest
 import optax_gwt
 
 
+def hand_gwt_adamw(learning_rate, level=2, weight_decay=0.0):
+    """`gwt_adamw` written as the chain of public stages, as a user would."""
+    proj = optax_gwt.WaveletProjection(level=level)
+    stages = [
+        optax_gwt.wavelet_project(proj),
+        optax_gwt.on_approximation(optax_gwt.scale_by_reference_adam(eps=1e-6, cpu_kernel=True), proj),
+        optax_gwt.limit_norm_growth(1.01),
+        optax_gwt.wavelet_inverse(scale=0.25),
+        optax.scale_by_learning_rate(learning_rate),
+    ]
+    if weight_decay:
+        stages.append(optax_gwt.decay_weights_after_step(learning_rate, weight_decay))
+    return optax.chain(*stages)
+
+
+@pytest.fixture(params=["builder", "hand_chain"])
+def make(request):
+    """Each composition runs with the builder and with the hand-built chain."""
+    return optax_gwt.gwt_adamw if request.param == "builder" else hand_gwt_adamw
+
+
+def _moments(state):
+    """The base's state inside any composition (the OnApproximationState's)."""
+    found = [s for s in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, optax_gwt.OnApproximationState))
+             if isinstance(s, optax_gwt.OnApproximationState)]
+    return found[0].inner_state
+
+
 def _tree(seed=0):
     rng = np.random.default_rng(seed)
     return {
@@ -52,31 +80,31 @@ def _label(path, _):
     return "gwt" if ("attn" in keys or "mlp" in keys) and keys[-1] == "kernel" else "adam"
 
 
-def test_multi_transform_modular_learning_rates():
+def test_multi_transform_modular_learning_rates(make):
     params = _tree()
     labels = jax.tree_util.tree_map_with_path(_label, params)
     opt = optax.multi_transform(
-        {"gwt": optax_gwt.gwt_adamw(1e-2 * 0.25, level=2), "adam": optax.adamw(1e-2, eps=1e-6, weight_decay=0.0)}, labels
+        {"gwt": make(1e-2 * 0.25, level=2), "adam": optax.adamw(1e-2, eps=1e-6, weight_decay=0.0)}, labels
     )
     out, state = _run(opt, params)
-    gwt_state = state.inner_states["gwt"].inner_state[0]
-    assert gwt_state[1].inner_state.mu["attn"]["kernel"].shape == (4, 8)
-    assert gwt_state[1].inner_state.mu["mlp"]["kernel"].shape == (3, 16)
+    moments = _moments(state.inner_states["gwt"])
+    assert moments.mu["attn"]["kernel"].shape == (4, 8)
+    assert moments.mu["mlp"]["kernel"].shape == (3, 16)
     # Each group equals its optimizer run alone on its own subtree.
     sub = {"attn": params["attn"], "mlp": params["mlp"]}
-    alone_state = optax_gwt.gwt_adamw(1e-2 * 0.25, level=2).init(sub)
+    alone_state = make(1e-2 * 0.25, level=2).init(sub)
     p = sub
     for i in range(3):
         g = _grads(params, 1 + i)
-        u, alone_state = optax_gwt.gwt_adamw(1e-2 * 0.25, level=2).update({"attn": g["attn"], "mlp": g["mlp"]}, alone_state, p)
+        u, alone_state = make(1e-2 * 0.25, level=2).update({"attn": g["attn"], "mlp": g["mlp"]}, alone_state, p)
         p = optax.apply_updates(p, u)
     _assert_tree_close({"attn": out["attn"], "mlp": out["mlp"]}, p)
 
 
-def test_masked_leaves_others_untouched():
+def test_masked_leaves_others_untouched(make):
     params = _tree()
     mask = jax.tree_util.tree_map_with_path(lambda path, _: _label(path, _) == "gwt", params)
-    opt = optax.masked(optax_gwt.gwt_adamw(1e-2), mask)
+    opt = optax.masked(make(1e-2), mask)
     state = opt.init(params)
     g = _grads(params, 3)
     u, _ = opt.update(g, state, params)
@@ -85,9 +113,10 @@ def test_masked_leaves_others_untouched():
     assert not np.allclose(u["attn"]["kernel"], g["attn"]["kernel"])
 
 
-def test_inject_hyperparams_changes_lr_without_recompiling():
+def test_inject_hyperparams_changes_lr_without_recompiling(make):
     params = _tree()
-    opt = optax.inject_hyperparams(optax_gwt.gwt_adamw, static_args=optax_gwt.STATIC_ARGS)(learning_rate=1e-2, level=2)
+    static = optax_gwt.STATIC_ARGS if make is optax_gwt.gwt_adamw else ("level",)
+    opt = optax.inject_hyperparams(make, static_args=static)(learning_rate=1e-2, level=2)
     state = opt.init(params)
     traces = []
 
@@ -103,23 +132,23 @@ def test_inject_hyperparams_changes_lr_without_recompiling():
     assert len(traces) == 1
     _assert_tree_close(u2, jax.tree_util.tree_map(lambda x: 2 * x, u1))
     # The same as the un-injected optimizer.
-    u_ref, _ = optax_gwt.gwt_adamw(1e-2, level=2).update(g, optax_gwt.gwt_adamw(1e-2, level=2).init(params), params)
+    u_ref, _ = make(1e-2, level=2).update(g, make(1e-2, level=2).init(params), params)
     _assert_tree_close(u1, u_ref, rtol=1e-4, atol=1e-6)  # float32, jit vs eager, traced constants
 
 
-def test_schedule_learning_rate():
+def test_schedule_learning_rate(make):
     params = _tree()
     sched = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
-    out, _ = _run(optax_gwt.gwt_adamw(sched), params, steps=4)
+    out, _ = _run(make(sched), params, steps=4)
     assert all(np.all(np.isfinite(x)) for x in jax.tree_util.tree_leaves(out))
     # Step 1 has learning rate 0: nothing moves.
-    first, _ = _run(optax_gwt.gwt_adamw(sched), params, steps=1)
+    first, _ = _run(make(sched), params, steps=1)
     _assert_tree_close(first, params, rtol=0, atol=0)
 
 
-def test_multisteps_equals_mean_gradient():
+def test_multisteps_equals_mean_gradient(make):
     params = _tree()
-    inner = optax_gwt.gwt_adamw(1e-2)
+    inner = make(1e-2)
     acc = optax.MultiSteps(inner, every_k_schedule=2)
     state = acc.init(params)
     g1, g2 = _grads(params, 7), _grads(params, 8)
@@ -131,9 +160,9 @@ def test_multisteps_equals_mean_gradient():
     _assert_tree_close(u, want, rtol=1e-4, atol=1e-6)  # float32 sums in another order
 
 
-def test_apply_if_finite_skips_bad_steps():
+def test_apply_if_finite_skips_bad_steps(make):
     params = _tree()
-    opt = optax.apply_if_finite(optax_gwt.gwt_adamw(1e-2), max_consecutive_errors=3)
+    opt = optax.apply_if_finite(make(1e-2), max_consecutive_errors=3)
     state = opt.init(params)
     good = _grads(params, 9)
     _, state = opt.update(good, state, params)
@@ -145,7 +174,7 @@ def test_apply_if_finite_skips_bad_steps():
     assert int(new_state.notfinite_count) == 1
 
 
-def test_flax_nnx_optimizer():
+def test_flax_nnx_optimizer(make):
     nnx = pytest.importorskip("flax.nnx")
 
     class MLP(nnx.Module):
@@ -157,7 +186,7 @@ def test_flax_nnx_optimizer():
             return self.down(jax.nn.relu(self.up(x)))
 
     model = MLP(nnx.Rngs(0))
-    tx = optax_gwt.gwt_adamw(1e-2, level=2)
+    tx = make(1e-2, level=2)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     x = jax.random.normal(jax.random.key(1), (64, 16))
     y = jax.random.normal(jax.random.key(2), (64, 4))
