@@ -9,7 +9,7 @@ import pytest
 import optax_gwt
 
 
-def hand_gwt_adamw(learning_rate, level=2, weight_decay=0.0):
+def hand_gwt_adamw(learning_rate, level=2, weight_decay=None):
     """`gwt_adamw` written as the chain of public stages, as a user would."""
     proj = optax_gwt.WaveletProjection(level=level)
     stages = [
@@ -19,7 +19,7 @@ def hand_gwt_adamw(learning_rate, level=2, weight_decay=0.0):
         optax_gwt.wavelet_inverse(scale=0.25),
         optax.scale_by_learning_rate(learning_rate),
     ]
-    if weight_decay:
+    if weight_decay is not None:
         stages.append(optax_gwt.decay_weights_after_step(learning_rate, weight_decay))
     return optax.chain(*stages)
 
