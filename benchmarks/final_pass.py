@@ -6,7 +6,7 @@ Run from the repository root::
 
 Times, in one process and in alternating rounds, the donated jitted loop
 ``p <- (p - lr * u)(1 - lr * wd)`` over the 56 attention and MLP kernels of
-LLaMA-60M for the ``u`` of `optax_gwt.haar.haar_adam_update` (what GWT-2's
+LLaMA-60M for the ``u`` of `optax_gwt.haar.adam_update` (what GWT-2's
 train step runs after the moments) and for variants that each drop one part of
 it: the block means recomputed from ``G``, the square root and division, and
 everything but ``G`` itself (an axpy, the floor of a pass that reads ``P, G``
