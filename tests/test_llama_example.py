@@ -14,7 +14,9 @@ import pytest
 from flax import nnx
 
 import optax_gwt
-from examples.llama import compare, data, model, optimizers, train
+from examples.llama import compare, data, model, optimizers, rundir, train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY = ["--model", "num_layers=1", "--seq-len", "32", "--batch-size", "4", "--eval-batches", "2", "--no-progress"]
 
@@ -253,20 +255,55 @@ def test_hf_tokenizer_is_optional():
 # ---------------------------------------------------------------------------
 
 
+def _png(path) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_help_shows_every_default():
+    for parser in (train.build_parser(), compare.build_parser()):
+        text = " ".join(parser.format_help().split())  # undo the line wrapping
+        options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+        assert text.count("(default: ") == len(options), parser.prog
+
+
+def test_train_writes_a_run_directory_and_prints_a_summary(corpus, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    train.main(TINY + ["--data", corpus, "--steps", "2", "--eval-every", "1", "--run-dir", str(run_dir), "--json"])
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1  # --json: nothing but the summary
+    summary = json.loads(out[0])
+    assert summary["run_dir"] == str(run_dir) and summary["step"] == 2 and summary["name"] == "gwt-2"
+    config = json.load(open(run_dir / "config.json"))
+    assert config["args"]["steps"] == 2 and config["lr"] == optimizers.DEFAULT_LR["gwt"]
+    assert config["command"].startswith("python -m examples.llama.train --model num_layers=1")
+    assert [json.loads(l)["step"] for l in open(run_dir / "metrics.jsonl")] == [1, 2]
+    assert os.listdir(run_dir / "checkpoints") == ["2"] and _png(run_dir / "loss.png")
+    text = rundir.format_summary(summary)
+    assert f"val loss {summary['final_val_loss']:.4f}" in text and str(run_dir) in text and "tokens/s" in text
+
+
+def test_default_run_directory_names():
+    assert rundir.default_run_dir("gwt-2", 0.0) == os.path.join("runs", "gwt-2-19700101-000000")
+    assert train.run_name(train.parse_args(["--optimizer", "gwt", "--level", "3"])) == "gwt-3"
+    assert train.run_name(train.parse_args(["--optimizer", "adamw"])) == "adamw"
+
+
+@pytest.mark.slow
 def test_train_checkpoint_resume_is_bit_for_bit(corpus, tmp_path):
+    """An interrupted run continued with one flag, ``--resume RUN_DIR``, equals an uninterrupted one."""
     common = TINY + ["--data", corpus, "--optimizer", "gwt", "--steps", "6", "--eval-every", "3"]
-    full = train.run(train.parse_args(common + ["--ckpt-dir", str(tmp_path / "a")]))
-    metrics = str(tmp_path / "b.jsonl")
-    part = common + ["--ckpt-dir", str(tmp_path / "b"), "--metrics", metrics, "--save-every", "3"]
-    first = train.run(train.parse_args(part + ["--stop-at", "3"]))
-    second = train.run(train.parse_args(part + ["--resume"]))
+    full = train.run(train.parse_args(common + ["--run-dir", str(tmp_path / "a")]))
+    run_dir = str(tmp_path / "b")
+    first = train.run(train.parse_args(common + ["--run-dir", run_dir, "--save-every", "3", "--stop-at", "3"]))
+    second = train.run(train.parse_args(["--resume", run_dir]))
     losses = lambda h: [r["loss"] for r in h]
     assert losses(first["history"]) + losses(second["history"]) == losses(full["history"])
     assert [r["step"] for r in second["history"]] == [4, 5, 6]
     assert second["summary"]["final_val_loss"] == full["summary"]["final_val_loss"]
     for a, b in zip(jax.tree.leaves(full["params"]), jax.tree.leaves(second["params"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    records = [json.loads(l) for l in open(metrics)]
+    records = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
     assert full["history"][-1]["loss"] < full["history"][0]["loss"]
@@ -285,6 +322,7 @@ def test_gradient_accumulation_matches_one_big_batch():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_compare_writes_table_and_plot(corpus, tmp_path):
     out = str(tmp_path / "cmp")
     compare.main(["--runs", "adamw", "gwt-2", "--out", out, "--", "--data", corpus, "--steps", "2", "--eval-every", "1"] + TINY)
@@ -292,7 +330,27 @@ def test_compare_writes_table_and_plot(corpus, tmp_path):
     assert len(table) == 4 and table[2].startswith("| adamw |") and table[3].startswith("| gwt-2 |")
     gwt_matrix_ratio = float(table[3].split("|")[5])
     assert abs(gwt_matrix_ratio - 0.25) < 0.01
-    with open(os.path.join(out, "val_loss.png"), "rb") as fh:
-        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
-    results = json.load(open(os.path.join(out, "results.json")))
-    assert [r["name"] for r in results] == ["adamw", "gwt-2"]
+    assert _png(os.path.join(out, "val_loss.png"))
+    report = json.load(open(os.path.join(out, "results.json")))
+    assert [r["name"] for r in report["runs"]] == ["adamw", "gwt-2"] and report["command"].startswith("python -m")
+    readme = open(os.path.join(out, "README.md")).read()
+    assert report["command"] in readme and "\n".join(table) in readme
+    for name in ("adamw", "gwt-2"):
+        assert {"config.json", "metrics.jsonl", "checkpoints", "loss.png"} <= set(os.listdir(os.path.join(out, name)))
+
+
+def test_readme_tables_are_the_saved_results_and_regenerate(tmp_path, monkeypatch, capsys):
+    """The README's results tables are those of results/llama and results/llama-long; --report --readme rewrites one block."""
+    monkeypatch.chdir(REPO)
+    readme = open("README.md").read()
+    for directory in ("results/llama", "results/llama-long"):
+        report = compare.load_report(directory)
+        assert compare.table(report["runs"]) in readme and compare.provenance(report) in readme
+    start, end = compare.markers("results/llama")
+    copy = tmp_path / "README.md"
+    copy.write_text(f"before\n{start}\nstale\n{end}\nafter\n")
+    compare.main(["--report", "results/llama", "--readme", str(copy)])
+    text = copy.read_text()
+    assert text.startswith(f"before\n{start}\n") and text.endswith(f"{end}\nafter\n") and "stale" not in text
+    assert compare.table(compare.load_report("results/llama")["runs"]) in text
+    assert "| gwt-2 |" in capsys.readouterr().out
