@@ -38,6 +38,15 @@ class Preconditioner(NamedTuple):
       step_scale: the scalar the base multiplied its step by that the
         norm-growth limiter does not see (the reference Adam's
         ``sqrt(1 - b2^t) / (1 - b1^t)``; 1 for `optax.scale_by_adam`).
+
+    Example:
+      >>> import jax.numpy as jnp, optax_gwt
+      >>> adam = optax_gwt.scale_by_reference_adam(eps=1e-6)
+      >>> _, state = adam.update({"w": jnp.ones(2)}, adam.init({"w": jnp.zeros(2)}))
+      >>> pre = adam.preconditioner(state)
+      >>> step = pre.step * pre.mu["w"] / (jnp.sqrt(pre.nu["w"]) + pre.eps)  # == Adam's output
+      >>> [round(float(x), 4) for x in step]
+      [1.0, 1.0]
     """
 
     mu: Any
@@ -62,6 +71,15 @@ class GWTBase(NamedTuple):
     it returns ``(updates, state, sq_norms)``, with per leaf the squared norm
     of the step divided by its ``step_scale`` (the norm-growth limiter's
     input; the kernel computes it in the same read), or None.
+
+    Example:
+      >>> import jax.numpy as jnp, optax_gwt
+      >>> adam = optax_gwt.scale_by_reference_adam()
+      >>> isinstance(adam, optax_gwt.GWTBase)
+      True
+      >>> out, state, sq_norms = adam.update_on_approximation({"w": jnp.ones(4)}, adam.init({"w": jnp.zeros(4)}), None)
+      >>> round(float(sq_norms["w"]), 2)  # ||m / (sqrt(v) + eps)||^2 = 4 * (0.1 / 0.0316)^2
+      40.0
     """
 
     init: optax.TransformInitFn

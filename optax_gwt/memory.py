@@ -20,6 +20,11 @@ class StateBytes(NamedTuple):
         that belong to each parameter (their path in the state ends with the
         parameter's path, as in ``state.mu["layer"]["kernel"]``).
       shared: bytes not attributed to any parameter (step counters, schedules).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, optax_gwt
+      >>> optax_gwt.optimizer_state_bytes(optax.adam(1e-3), {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)})
+      StateBytes(total=132, per_param={'w': 128}, shared=4)
     """
 
     total: int

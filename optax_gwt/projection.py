@@ -42,6 +42,12 @@ class LeafSpec:
       shape, dtype: the full-size array's shape and dtype name.
       axis: the (non-negative) transform axis; ``length`` is ``shape[axis]``.
       level, wavelet, mode: the DWT.
+
+    Example:
+      >>> import jax.numpy as jnp, optax_gwt
+      >>> specs, _ = optax_gwt.WaveletProjection(level=2).leaf_specs({"w": jnp.zeros((10, 3))})
+      >>> specs[0].approx_shape, specs[0].closed_form
+      ((3, 3), True)
     """
 
     path: str
@@ -98,6 +104,12 @@ class WaveletProjection:
         transformed, and an axis too short for `level` is an error (too short:
         fewer than ``2^level`` samples, or an approximation that would not be
         shorter than the axis, as happens with long filters on short axes).
+
+    Example:
+      >>> import jax.numpy as jnp, optax_gwt
+      >>> proj = optax_gwt.WaveletProjection(level=1, wavelet="db2", mode="symmetric", axis=1)
+      >>> [s and s.approx_shape for s in proj.leaf_specs({"b": jnp.zeros(5), "w": jnp.zeros((4, 9))})[0]]
+      [None, (4, 6)]
     """
 
     level: int = 2
@@ -241,6 +253,13 @@ class WaveletCoefficients:
       sharding: static: the gradient's sharding on a mesh of explicit axes, else None.
       exact: static: whether ``approx`` equals the `adam` formula (the base is a
         `GWTBase`), so that `wavelet_inverse` may rebuild it from the moments.
+
+    Example:
+      >>> import jax.numpy as jnp, optax_gwt
+      >>> tx = optax_gwt.wavelet_project(optax_gwt.WaveletProjection(level=1, wavelet="db2", mode="zero"))
+      >>> node = tx.update({"w": jnp.ones((8, 2))}, tx.init(None))[0]["w"]
+      >>> node.approx.shape, [d.shape for d in node.details], node.spec.path
+      ((5, 2), [(5, 2)], "['w']")
     """
 
     approx: jax.Array

@@ -107,7 +107,14 @@ def wavelet_project(projection: WaveletProjection = WaveletProjection()) -> opta
 
 
 class OnApproximationState(NamedTuple):
-    """State of `on_approximation`: the base optimizer's, on the compressed shapes."""
+    """State of `on_approximation`: the base optimizer's, on the compressed shapes.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optax_gwt
+      >>> tx = optax_gwt.on_approximation(optax.scale_by_adam(), optax_gwt.WaveletProjection(level=3))
+      >>> tx.init({"w": jnp.zeros((64, 4))}).inner_state.nu["w"].shape
+      (8, 4)
+    """
 
     inner_state: optax.OptState
 
@@ -266,6 +273,11 @@ class LimitNormGrowthState(NamedTuple):
       count: steps taken (int32 scalar); the first step is not limited.
       norm_prev: per array, the previous step's norm ``r_prev`` (a scalar in
         float32, float64 for float64 params; 0 where not transformed).
+
+    Example:
+      >>> import jax.numpy as jnp, optax_gwt
+      >>> optax_gwt.limit_norm_growth().init({"w": jnp.zeros((8, 2))}).norm_prev["w"].shape
+      ()
     """
 
     count: jax.Array

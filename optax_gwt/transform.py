@@ -198,7 +198,13 @@ def gwt_adamw(
 
 
 class DecayAfterStepState(NamedTuple):
-    """State of `decay_weights_after_step`: the step count, for a schedule."""
+    """State of `decay_weights_after_step`: the step count, for a schedule.
+
+    Example:
+      >>> import optax_gwt
+      >>> int(optax_gwt.decay_weights_after_step(1e-3, 0.1).init(None).count)
+      0
+    """
 
     count: jax.Array
 
