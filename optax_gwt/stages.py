@@ -137,12 +137,12 @@ def _check_projection(leaves: list, treedef, projection: WaveletProjection) -> N
         got = x.spec if is_coefficients(x) else None
         if spec is not None and got is None:
             _require(False, "on_approximation", f"{spec.path} is not projected: wavelet_project must come before")
-        if got is not None and dataclass_key(got) != dataclass_key(spec):
+        if got is not None and _projection_key(got) != _projection_key(spec):
             _require(False, "on_approximation", f"{got.path} was projected as {got} but this stage's projection "
                      f"makes {spec}: build both stages with the same WaveletProjection")
 
 
-def dataclass_key(spec) -> tuple:
+def _projection_key(spec) -> Optional[tuple]:
     """A `LeafSpec` without its path (the path differs under optax.masked and multi_transform)."""
     return None if spec is None else (spec.shape, spec.axis, spec.level, spec.wavelet, spec.mode)
 
@@ -175,11 +175,12 @@ def on_approximation(
     parameter on a mesh. If `inner` reads params, it gets their approximation.
 
     What the detail rule of `wavelet_inverse` needs travels on in each node:
-    the base's `Preconditioner` (its per-coefficient denominator, bias
-    corrections), from `preconditioner` (a function of the base's new state),
-    by default the one a `GWTBase` such as `scale_by_reference_adam` states;
-    for `optax.scale_by_adam` pass `optax_gwt.adam_preconditioner(b1, b2, eps)`.
-    Without one, ``"auto"`` uses the ``"norm_ratio"`` rule.
+    the base's `Preconditioner` (its step as ``step * mu / (sqrt(nu) + eps)``,
+    whence the denominator of each coefficient), from `preconditioner` (a
+    function of the base's new state), by default the one a `GWTBase` such as
+    `scale_by_reference_adam` states; for `optax.scale_by_adam` pass
+    `optax_gwt.adam_preconditioner(b1, b2, eps)`. Without one, ``"auto"``
+    uses the ``"norm_ratio"`` rule.
 
     Args:
       inner: any Optax transformation (`optax.scale_by_adam`, `scale_by_lion`,
@@ -199,6 +200,8 @@ def on_approximation(
     """
     if preconditioner is None and isinstance(inner, GWTBase):
         preconditioner = inner.preconditioner
+    # The step equals its Preconditioner's formula only for a GWTBase's own.
+    exact = isinstance(inner, GWTBase) and preconditioner is inner.preconditioner
 
     def init_fn(params):
         return OnApproximationState(inner.init(_approx_zeros(params, projection)))
@@ -216,7 +219,7 @@ def on_approximation(
             steps, inner_state = inner.update(inner_in, state.inner_state, _approx_params(params, projection))
             sq_norms = [None] * len(leaves)
         pre = preconditioner(inner_state) if preconditioner is not None else None
-        out = _carry(leaves, treedef.flatten_up_to(steps), pre, treedef, isinstance(inner, GWTBase))
+        out = _carry(leaves, treedef.flatten_up_to(steps), pre, treedef, exact)
         out = [x.replace(sq_norm=sq) if is_coefficients(x) else x for x, sq in zip(out, sq_norms)]
         return treedef.unflatten(out), OnApproximationState(inner_state)
 
