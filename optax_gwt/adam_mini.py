@@ -25,6 +25,7 @@ __all__ = [
     "adam_mini_blocks",
     "head_blocks",
     "output_blocks",
+    "path_names",
     "scale_by_adam_mini",
 ]
 
@@ -93,12 +94,19 @@ def head_blocks(x: Any, num_heads: int, head_axis: int = -1) -> Blocks:
     return Blocks(axes=tuple(a for a in range(ndim) if a != keep), heads=num_heads, head_axis=keep)
 
 
-def _key_name(key: Any) -> str:
-    """The name in a path entry (dict key, attribute, sequence index)."""
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
+def path_names(path: tuple) -> set[str]:
+    """The names in a pytree path (dict keys, attributes, sequence indices), as strings.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> [path_names(p) == {"attn", "kernel"} for p, _ in jax.tree_util.tree_leaves_with_path({"attn": {"kernel": 0}})]
+      [True]
+    """
+    names = set()
+    for key in path:
+        attr = next((a for a in ("key", "name", "idx") if hasattr(key, a)), None)
+        names.add(str(getattr(key, attr) if attr else key))
+    return names
 
 
 def adam_mini_blocks(
@@ -136,7 +144,7 @@ def adam_mini_blocks(
     full, qk = frozenset(full_adam), frozenset(query_key)
 
     def partition(path: tuple, x: Any) -> Blocks:
-        names = {_key_name(k) for k in path}
+        names = path_names(path)
         if names & full:
             return Blocks()
         if names & qk and num_heads is not None and len(x.shape) >= 2:

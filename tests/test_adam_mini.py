@@ -48,14 +48,10 @@ def _grads(params, seed):
 # ---------------------------------------------------------------------------
 
 
-def _names(path):
-    return {str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path}
-
-
 def reference_labels(path, shape):
     """Each entry's block, by the paper's rules written out per entry (Flax (in, out) layout)."""
     idx = np.indices(shape).reshape(len(shape), -1)
-    names = _names(path)
+    names = adam_mini.path_names(path)
     if names & {"embed", "embedding", "lm_head"}:
         keys = list(idx)  # every entry its own block
     elif len(shape) <= 1:
@@ -200,7 +196,7 @@ def test_multi_transform_group_equals_alone():
 
 def test_masked_passes_others_through():
     params = _params()
-    mask = jax.tree_util.tree_map_with_path(lambda path, x: "mlp" in _names(path), params)
+    mask = jax.tree_util.tree_map_with_path(lambda path, x: "mlp" in adam_mini.path_names(path), params)
     tx = optax.masked(_mini(), mask)
     g = _grads(params, 0)
     u, _ = tx.update(g, tx.init(params), params)

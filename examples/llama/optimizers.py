@@ -23,11 +23,15 @@ import jax
 import optax
 
 import optax_gwt
+from examples.llama import model as model_lib
+from optax_gwt.adam_mini import path_names
 
 __all__ = [
     "DEFAULT_LR",
+    "GWT_BASES",
     "OPTIMIZERS",
     "galore_rank_matching",
+    "infer_num_heads",
     "make_optimizer",
     "param_labels",
 ]
@@ -46,19 +50,17 @@ DEFAULT_LR = {
     "galore": 3e-2,  # swept 1e-2, 3e-2
     "adafactor": 1e-2,  # swept 1e-2, 3e-2
     "gwt-lion": 1e-2,  # not swept (optional run)
+    # Not swept yet (examples/llama/sweep.py finds them): first guesses.
+    "adam-mini": 3e-2,  # as adamw
+    "gwt-adam-mini": 2e-2,  # as gwt
+    "gwt-muon": 5e-2,  # Muon's steps have RMS ~ 2 / sqrt(128) on the 9m approximations: a larger lr
+    "gwt-factored": 2e-2,  # as gwt
 }
 OPTIMIZERS = tuple(DEFAULT_LR)
 
 #: Lion's steps are sign(.) (RMS 1) where Adam's are smaller: the usual advice
 #: (Chen et al. 2023) is a 3-10x smaller learning rate. Applied to the matrices.
 LION_LR_RATIO = 0.1
-
-
-def _key_name(key) -> Any:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return getattr(key, attr)
-    return key
 
 
 def param_labels(params: Any) -> Any:
@@ -69,8 +71,7 @@ def param_labels(params: Any) -> Any:
     """
 
     def label(path, x):
-        names = {_key_name(k) for k in path}
-        return "matrix" if x.ndim == 2 and names & set(MATRIX_MODULES) else "other"
+        return "matrix" if x.ndim == 2 and path_names(path) & set(MATRIX_MODULES) else "other"
 
     return jax.tree_util.tree_map_with_path(label, params)
 
@@ -79,6 +80,61 @@ def make_schedule(lr: float, steps: int, warmup_frac: float = 0.1, min_lr_ratio:
     """Linear warm-up from 0 over ``warmup_frac * steps``, cosine decay to ``min_lr_ratio * lr`` at `steps`."""
     warmup = max(1, int(warmup_frac * steps))
     return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr * min_lr_ratio)
+
+
+def infer_num_heads(params: Any) -> Optional[int]:
+    """Attention heads of the example's model, from its hidden size (`model.CONFIGS`); None if unknown.
+
+    The optimizers see only the params, whose shapes do not tell the heads:
+    a model whose ``num_heads`` was overridden gets the config's heads here.
+    """
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        if "q_proj" in path_names(path) and x.ndim == 2:
+            heads = {c.num_heads for c in model_lib.CONFIGS.values() if c.hidden_size == x.shape[-1]}
+            return heads.pop() if len(heads) == 1 else None
+    return None
+
+
+def _adam_mini(params: Any, eps: float = 1e-6) -> optax.GradientTransformation:
+    """Adam-mini with the paper's partition (per head for q/k, embeddings and head at full Adam)."""
+    return optax_gwt.scale_by_adam_mini(eps=eps, block_axes=optax_gwt.adam_mini_blocks(num_heads=infer_num_heads(params)))
+
+
+def _muon_base(params: Any) -> optax.GradientTransformation:
+    """Muon on the approximations: each (in / 2^level, out) matrix reduced over its input axis."""
+    del params
+    numbers = lambda tree: jax.tree.map(lambda _: optax.contrib.MuonDimensionNumbers(0, 1), tree)  # noqa: E731
+    return optax.contrib.scale_by_muon(weight_dimension_numbers=numbers)
+
+
+def _factored_base(params: Any) -> optax.GradientTransformation:
+    """The authors' Adafactor-style base: factored second moment (every matrix), RMS clip 1, momentum 0.9."""
+    del params
+    return optax.chain(
+        optax.scale_by_factored_rms(min_dim_size_to_factor=1),
+        optax.clip_by_block_rms(1.0),
+        optax.ema(0.9, debias=False),
+    )
+
+
+#: The bases of the ``gwt-<base>`` optimizers (GWT's own Adam is ``gwt``), each
+#: a function of the params; the learning rate's factor for the base.
+GWT_BASES = {
+    "gwt-lion": (lambda params: optax.scale_by_lion(), LION_LR_RATIO),
+    "gwt-muon": (_muon_base, 1.0),
+    "gwt-factored": (_factored_base, 1.0),
+    "gwt-adam-mini": (_adam_mini, 1.0),
+}
+
+
+def _gwt_on(base: optax.GradientTransformation, learning_rate: optax.ScalarOrSchedule, *, level: int, wavelet: str,
+            alpha: float, weight_decay: float) -> optax.GradientTransformation:
+    """`scale_by_gwt` on `base` (details by the norm ratio), decoupled weight decay, the learning rate."""
+    return optax.chain(
+        optax_gwt.scale_by_gwt(base, level=level, wavelet=wavelet, scale=alpha, detail_rule="norm_ratio"),
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_learning_rate(learning_rate),
+    )
 
 
 def make_optimizer(
@@ -106,7 +162,12 @@ def make_optimizer(
         ``gwt-nobc``: the same with ``bias_correct_details=False``;
         ``galore``: `optax.contrib.galore` on the matrices, modular lrs;
         ``adafactor``: `optax.adafactor` for everything;
-        ``gwt-lion``: `scale_by_gwt` with `optax.scale_by_lion` as the base on the matrices.
+        ``adam-mini``: `optax_gwt.scale_by_adam_mini` for everything, one lr
+        (per-head q/k blocks, heads from `infer_num_heads`);
+        ``gwt-lion``, ``gwt-muon``, ``gwt-factored``, ``gwt-adam-mini``:
+        `scale_by_gwt` with that base (`GWT_BASES`: Lion, Muon, the authors'
+        Adafactor-style factored RMS, Adam-mini) on the matrices, the details
+        scaled by the norm ratio, modular lrs.
       params: the model parameters (arrays or `jax.ShapeDtypeStruct`s).
       lr: peak learning rate (None: `DEFAULT_LR[name]`).
       steps: optimizer steps of the run (for the schedule).
@@ -118,14 +179,16 @@ def make_optimizer(
     if name not in DEFAULT_LR:
         raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
     lr = DEFAULT_LR[name] if lr is None else lr
-    sched = lambda peak: make_schedule(peak, steps, warmup_frac, min_lr_ratio)
-    adamw = lambda peak: optax.adamw(sched(peak), b1=0.9, b2=0.999, eps=1e-6, weight_decay=weight_decay)
+    sched = lambda peak: make_schedule(peak, steps, warmup_frac, min_lr_ratio)  # noqa: E731
+    adamw = lambda peak: optax.adamw(sched(peak), b1=0.9, b2=0.999, eps=1e-6, weight_decay=weight_decay)  # noqa: E731
 
     if name == "adamw":
         return adamw(lr)
     if name == "adafactor":
         # The authors' Adafactor: no parameter scaling, first moment 0.9, update clipping 1.
         return optax.adafactor(sched(lr), multiply_by_parameter_scale=False, momentum=0.9, clipping_threshold=1.0)
+    if name == "adam-mini":
+        return optax.chain(_adam_mini(params), optax.add_decayed_weights(weight_decay), optax.scale_by_learning_rate(sched(lr)))
     if name == "adamw-modular":
         matrix = adamw(lr * alpha)
     elif name in ("gwt", "gwt-nobc"):
@@ -142,12 +205,10 @@ def make_optimizer(
         matrix = optax.contrib.galore(
             sched(lr), rank=rank, update_proj_gap=galore_gap, scale=alpha, weight_decay=weight_decay
         )
-    else:  # gwt-lion: Lion's sign update on the approximation; its details scaled by the norm ratio
-        matrix = optax.chain(
-            optax_gwt.scale_by_gwt(optax.scale_by_lion(), level=level, wavelet=wavelet, scale=alpha),
-            optax.add_decayed_weights(weight_decay),
-            optax.scale_by_learning_rate(sched(lr * LION_LR_RATIO)),
-        )
+    else:  # gwt-<base>: the base on the approximation; its details scaled by the norm ratio
+        make_base, ratio = GWT_BASES[name]
+        matrix = _gwt_on(make_base(params), sched(lr * ratio), level=level, wavelet=wavelet, alpha=alpha,
+                         weight_decay=weight_decay)  # fmt: skip
     return optax.multi_transform({"matrix": matrix, "other": adamw(lr)}, param_labels)
 
 
