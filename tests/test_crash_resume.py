@@ -1,11 +1,15 @@
-"""Crash-safe training in the LLaMA example: SIGKILL between checkpoints, partial and foreign checkpoints.
+"""The LLaMA example's run directory and crash-safe training: SIGKILL between checkpoints, partial and foreign checkpoints.
 
-One training process is killed (slow: a subprocess); the checks of partial,
-foreign and damaged checkpoints use a short in-process run's checkpoints.
+One training process is killed (slow: a subprocess); the checks of the run
+directory and of partial, foreign and damaged checkpoints share one short
+in-process run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import shutil
 import signal
@@ -83,11 +87,34 @@ def killed_run(corpus, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def saved_run(corpus, tmp_path_factory):
-    """The run directory of a short in-process run with checkpoints at steps 1 and 2."""
+def saved_json_run(corpus, tmp_path_factory):
+    """A short in-process run of the CLI with ``--json``, checkpoints at steps 1 and 2: ``(run dir, stdout)``."""
     run_dir = str(tmp_path_factory.mktemp("saved") / "run")
-    train.run(train.parse_args(_args(corpus, run_dir, "--stop-at", "2", "--save-every", "1")))
-    return run_dir
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train.main(_args(corpus, run_dir, "--stop-at", "2", "--save-every", "1", "--json"))
+    return run_dir, out.getvalue()
+
+
+@pytest.fixture
+def saved_run(saved_json_run):
+    return saved_json_run[0]
+
+
+def test_a_run_writes_its_directory_and_a_summary(saved_json_run):
+    run_dir, printed = saved_json_run
+    assert len(printed.splitlines()) == 1  # --json: nothing but the summary
+    summary = json.loads(printed)
+    assert summary["run_dir"] == run_dir and summary["step"] == 2 and summary["name"] == "gwt-2"
+    config = json.load(open(os.path.join(run_dir, rundir.CONFIG)))
+    assert config["args"]["steps"] == STEPS and config["args"]["stop_at"] == 2 and config["lr"] == 2e-2
+    assert config["command"].startswith("python -m examples.llama.train --model num_layers=1")
+    assert [r["step"] for r in rundir.read_metrics(os.path.join(run_dir, rundir.METRICS))] == [1, 2]
+    assert sorted(os.listdir(_checkpoints(run_dir))) == ["1", "2"]
+    with open(os.path.join(run_dir, rundir.PLOT), "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+    text = rundir.format_summary(summary)
+    assert f"val loss {summary['final_val_loss']:.4f}" in text and run_dir in text and "tokens/s" in text
 
 
 def _copy(run_dir, tmp_path):

@@ -44,7 +44,8 @@ BLOCKS = runnable_blocks(_readme())
 
 def test_every_marker_is_on_a_python_block():
     assert BLOCKS, f"no {MARKER} block in the README"
-    assert _readme().count(MARKER) == len(BLOCKS), f"a {MARKER} line not directly above a ```python fence"
+    marker_lines = sum(line.strip() == MARKER for line in _readme().splitlines())
+    assert marker_lines == len(BLOCKS), f"a {MARKER} line not directly above a ```python fence"
 
 
 @pytest.mark.parametrize("line, code", BLOCKS, ids=[f"README.md:{line}" for line, _ in BLOCKS])
