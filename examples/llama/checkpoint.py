@@ -163,7 +163,7 @@ class Checkpointer:
         if problems:
             raise CheckpointError(
                 f"{where} is not from this run; refusing to resume from it:\n  " + "\n  ".join(problems)
-                + "\nResume with the original settings, or use another --ckpt-dir."
+                + "\nResume with the original settings, or start a new run (another --run-dir)."
             )
 
     def close(self) -> None:

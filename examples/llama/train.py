@@ -53,6 +53,7 @@ __all__ = [
     "make_eval_step",
     "make_train_step",
     "parse_args",
+    "peak_lr",
     "run",
     "run_name",
 ]
@@ -206,6 +207,11 @@ def run_name(args: argparse.Namespace) -> str:
     return f"{args.optimizer}-{args.level}" if "gwt" in args.optimizer else args.optimizer
 
 
+def peak_lr(args: argparse.Namespace) -> float:
+    """``--lr``, or the optimizer's default peak learning rate."""
+    return optimizers.DEFAULT_LR[args.optimizer] if args.lr is None else args.lr
+
+
 def _model_overrides(items: Sequence[str]) -> dict:
     """``["num_layers=2", ...]`` -> ``{"num_layers": 2, ...}``, typed as the `LlamaConfig` fields."""
     types = {"int": int, "float": float, "str": str}
@@ -355,7 +361,7 @@ def _write_config(args: argparse.Namespace, job: Job, path: str) -> None:
     rundir.write_json(path, {
         "command": rundir.command_line("examples.llama.train", args.argv),
         "args": flags,
-        "lr": optimizers.DEFAULT_LR[args.optimizer] if args.lr is None else args.lr,
+        "lr": peak_lr(args),
         "model_config": dataclasses.asdict(job.cfg),
         "commit": rundir.git_commit(),
         "started": rundir.timestamp(time.time()),
@@ -448,7 +454,7 @@ def _summary(args: argparse.Namespace, job: Job, records: list, memory: dict, sp
         "optimizer": args.optimizer,
         "params": sum(x.size for x in jax.tree.leaves(job.params)),
         **memory,
-        "lr": optimizers.DEFAULT_LR[args.optimizer] if args.lr is None else args.lr,
+        "lr": peak_lr(args),
         "final_val_loss": evals[-1]["val_loss"] if evals else None,
         "final_val_ppl": evals[-1]["val_ppl"] if evals else None,
         "tokens_per_s": speed.per_second(),
