@@ -61,14 +61,18 @@ def default_run_dir(name: str, seconds: float, root: str = "runs") -> str:
     return os.path.join(root, f"{name}-{timestamp(seconds)}")
 
 
+#: The code a run executes: a change there (not in results or docs) makes the commit ``+dirty``.
+CODE_PATHS = ("optax_gwt", "examples", "pyproject.toml")
+
+
 def git_commit() -> Optional[str]:
-    """The short commit of this checkout, ``+dirty`` when tracked files changed; None outside git."""
+    """The short commit of this checkout, ``+dirty`` when tracked `CODE_PATHS` changed; None outside git."""
     try:
         run = lambda *cmd: subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=10)
         head = run("rev-parse", "--short", "HEAD")
         if head.returncode:
             return None
-        dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        dirty = run("status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS).stdout.strip()
         return head.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
