@@ -1,0 +1,83 @@
+"""examples.llama.sweep: the grid, resuming it, and the report's choice of best settings."""
+
+import json
+import os
+
+import pytest
+
+from examples.llama import sweep
+
+SMOKE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "llama", "studies", "smoke.toml")
+
+
+def test_smoke_grid_runs_then_resumes_without_rerunning(tmp_path, monkeypatch):
+    out, runs = str(tmp_path / "smoke.jsonl"), str(tmp_path / "runs")
+    sweep.main(["--config", SMOKE, "--output", out, "--run-root", runs])
+    records = sweep.load_records(out)
+    assert [r["name"] for r in records] == ["adamw", "gwt-2"]
+    for r in records:
+        assert r["val_curve"][-1]["step"] == r["flags"]["steps"] == 4
+        assert r["final_val_loss"] == r["val_curve"][-1]["val_loss"] > 0
+        assert r["tokens_per_s"] > 0 and r["wall_s"] > 0 and r["command"].startswith("python -m examples.llama.train")
+        assert not os.path.exists(os.path.join(r["run_dir"], "checkpoints"))  # keep_checkpoints = false
+    gwt, adamw = records[1], records[0]
+    assert gwt["matrix_state_bytes"] < adamw["matrix_state_bytes"] == adamw["adamw_matrix_state_bytes"]
+    assert (tmp_path / "smoke-report" / "report.md").read_text().count("| gwt-2 |") == 1
+
+    def no_training(args):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr("examples.llama.train.run", no_training)
+    assert sweep.run_grid(sweep.load_config(SMOKE), out, runs, log=lambda _: None) == []
+    assert len(sweep.load_records(out)) == 2
+
+
+def test_expand_axes_overrides_and_token_budget():
+    config = {
+        "grid": {"seed": [0, 1], "seq_len": [64, 128], "steps": [10]},
+        "train": {"model": ["num_layers=1"], "tokens_per_step": 1024},
+        "optimizers": {"adamw": {"lr": [1e-3, 1e-2]}, "gwt-3": {"optimizer": "gwt", "level": 3, "model": [["num_layers=2"]]}},
+    }
+    runs = sweep.expand(config)
+    assert len(runs) == 2 * 2 * 2 + 2 * 2
+    assert [r["flags"]["seed"] for r in runs] == [0] * 6 + [1] * 6  # seeds outermost
+    assert {(r["flags"]["seq_len"], r["flags"]["batch_size"]) for r in runs} == {(64, 16), (128, 8)}
+    gwt = [r for r in runs if r["name"] == "gwt-3"]
+    assert all(r["flags"]["optimizer"] == "gwt" and r["flags"]["model"] == ["num_layers=2"] for r in gwt)
+    assert len({sweep.run_key(r) for r in runs}) == len(runs)
+    with pytest.raises(SystemExit, match="unknown train flags"):
+        sweep.expand({"optimizers": {"adamw": {"learning_rate": [1.0]}}})
+
+
+def _record(name, lr, seed, loss, alpha=0.25, steps=100):
+    flags = {"optimizer": name, "lr": lr, "alpha": alpha, "seed": seed, "seq_len": 64, "batch_size": 8, "steps": steps}
+    curve = [{"step": steps // 2, "tokens": steps // 2 * 512, "val_loss": None if loss is None else loss + 0.5},
+             {"step": steps, "tokens": steps * 512, "val_loss": loss}]
+    return {"key": json.dumps([name, flags]), "name": name, "flags": flags, "final_val_loss": loss, "val_curve": curve,
+            "state_bytes": 100, "matrix_state_bytes": 50, "adamw_matrix_state_bytes": 100, "tokens_per_s": 1000.0}
+
+
+def test_report_best_setting_spread_and_edge_flag(tmp_path):
+    records = []
+    for seed, noise in enumerate((0.0, 0.02, -0.02)):
+        # adamw: best lr 1e-2 inside its grid; gwt: best at the largest lr (edge), one lr diverged.
+        records += [_record("adamw", lr, seed, loss + noise) for lr, loss in ((1e-3, 3.0), (1e-2, 2.5), (1e-1, 2.8))]
+        records += [_record("gwt", lr, seed, loss + noise) for lr, loss in ((1e-3, 3.2), (1e-2, 2.6))]
+        records.append(_record("gwt", 1e-1, seed, None if seed == 0 else 2.0))
+    records.append({**_record("gwt", 1e-2, 0, 9.0), "error": "an interrupted run"})  # ignored
+    best = sweep.best_settings(records)
+    (task, names), = best.items()
+    assert names["adamw"]["flags"]["lr"] == 1e-2 and names["adamw"]["edges"] == []
+    assert names["adamw"]["mean"] == pytest.approx(2.5) and names["adamw"]["std"] == pytest.approx(0.02) and names["adamw"]["n"] == 3
+    # gwt's lr 1e-1 diverged on one seed: its mean is inf, so 1e-2 wins, inside the grid (a larger lr was tried).
+    assert names["gwt"]["flags"]["lr"] == 1e-2 and names["gwt"]["edges"] == []
+    records = [r for r in records if not (r["name"] == "gwt" and r["flags"]["lr"] == 1e-1 and r["final_val_loss"] is None)]
+    records.append(_record("gwt", 1e-1, 0, 2.0))
+    best = sweep.best_settings(records)[task]
+    assert best["gwt"]["flags"]["lr"] == 1e-1 and best["gwt"]["edges"] == ["lr at the high edge"]
+    agreement = sweep.ranking_agreement({task: best})[task]
+    assert agreement["final"] == ["gwt", "adamw"] and agreement["agree"]
+    path = tmp_path / "study.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"cut sh')  # a line cut short is skipped
+    text = sweep.write_report(str(path), plots=False)
+    assert "lr at the high edge" in text and "| adamw | 0.01 |" in text
