@@ -52,6 +52,12 @@ CONFIGS: dict[str, LlamaConfig] = {
         "130m": (768, 2048, 12, 12),
         "350m": (1024, 2736, 16, 24),
         "1b": (2048, 5461, 32, 24),
+        # larger, for the memory planner (optax_gwt.plan): GaLore's 3B and 7B; 13B and a
+        # 70B-shaped model with LLaMA-2's widths (full multi-head attention, no GQA)
+        "3b": (2560, 6848, 32, 32),
+        "7b": (4096, 11008, 32, 32),
+        "13b": (5120, 13824, 40, 40),
+        "70b": (8192, 28672, 64, 80),
     }.items()
 }
 
