@@ -81,3 +81,12 @@ def test_report_best_setting_spread_and_edge_flag(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"cut sh')  # a line cut short is skipped
     text = sweep.write_report(str(path), plots=False)
     assert "lr at the high edge" in text and "| adamw | 0.01 |" in text
+
+
+@pytest.mark.parametrize("name", ["default", "seqlen", "levels", "bases", "smoke"])
+def test_study_configs_expand(name):
+    config = sweep.load_config(os.path.join(os.path.dirname(SMOKE), f"{name}.toml"))
+    runs = sweep.expand(config)
+    assert runs and len({sweep.run_key(r) for r in runs}) == len(runs)
+    seeds = {r["flags"]["seed"] for r in runs}
+    assert name == "smoke" or seeds == {0, 1, 2}  # at least 3 seeds for a ranking

@@ -220,11 +220,11 @@ def _study_settings(config: dict, output: Optional[str], run_root: Optional[str]
 
 
 def run_grid(config: dict, output: Optional[str] = None, run_root: Optional[str] = None,
-             max_runs: Optional[int] = None, log=print) -> list[dict]:  # fmt: skip
-    """Runs the study's runs not yet in its JSONL (at most `max_runs`); returns the new records."""
+             max_runs: Optional[int] = None, only: Optional[Sequence[str]] = None, log=print) -> list[dict]:  # fmt: skip
+    """Runs the study's runs not yet in its JSONL (at most `max_runs`, of the optimizers `only`); returns the new records."""
     study, actions = _study_settings(config, output, run_root), _train_actions()
     done = {r["key"] for r in load_records(study["output"])}
-    todo = [r for r in expand(config) if run_key(r) not in done][:max_runs]
+    todo = [r for r in expand(config) if run_key(r) not in done and (not only or r["name"] in only)][:max_runs]
     log(f"{study['name']}: {len(done)} runs done, {len(todo)} to run -> {study['output']}")
     os.makedirs(os.path.dirname(os.path.abspath(study["output"])), exist_ok=True)
     new = []
@@ -438,6 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report-dir", default=None, help="default: <output without .jsonl>-report/")
     p.add_argument("--dry-run", action="store_true", help="list the runs (done or not) and exit")
     p.add_argument("--max-runs", type=int, default=None, help="run at most this many of the runs left")
+    p.add_argument("--only", nargs="+", default=None, metavar="NAME", help="run only these optimizers' runs")
     return p
 
 
@@ -453,7 +454,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"{len(runs)} runs, {sum(run_key(r) in done for r in runs)} done")
         return
     if not args.report:
-        run_grid(config, study["output"], study["run_root"], args.max_runs, log=lambda s: print(s, flush=True))
+        run_grid(config, study["output"], study["run_root"], args.max_runs, args.only, log=lambda s: print(s, flush=True))
     print(write_report(study["output"], args.report_dir))
 
 
