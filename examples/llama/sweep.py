@@ -49,6 +49,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
+from examples.llama import rundir
+
 __all__ = [
     "best_settings",
     "expand",
@@ -161,11 +163,8 @@ def train_argv(flags: dict, actions: dict) -> list[str]:
 
 
 def load_records(path: str) -> list[dict]:
-    """The JSONL's complete lines (a line cut short by a crash is skipped)."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.endswith("\n") and line.strip()]
+    """The JSONL's complete lines (a line cut short by a crash is skipped); [] if absent."""
+    return rundir.read_metrics(path)
 
 
 def _finite(x: Optional[float]) -> Optional[float]:
@@ -174,8 +173,6 @@ def _finite(x: Optional[float]) -> Optional[float]:
 
 def _record(study: str, run: dict, argv: list, result: dict, wall_s: float) -> dict:
     """One JSONL line from `train.run`'s result."""
-    from examples.llama import rundir
-
     summary = result["summary"]
     evals = [r for r in result["history"] if "val_loss" in r]
     keep = ("params", "state_bytes", "matrix_state_bytes", "adamw_state_bytes", "adamw_matrix_state_bytes", "tokens_per_s")
@@ -378,8 +375,6 @@ def _slug(task: str) -> str:
 
 def plot_task(task: str, names: dict, out_dir: str) -> dict:
     """Loss vs steps, loss vs training time (tokens / measured tokens/s) and loss vs memory; returns the paths."""
-    from examples.llama import rundir
-
     curves = {n: _curve(b["runs"]) for n, b in names.items()}
     speed = {n: np.mean([r["tokens_per_s"] or np.nan for r in b["runs"]]) for n, b in names.items()}
     paths = {k: os.path.join(out_dir, f"{_slug(task)}-{k}.png") for k in ("steps", "time", "memory")}
