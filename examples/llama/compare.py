@@ -99,6 +99,7 @@ def run_all(args: argparse.Namespace) -> dict:
             argv += ["--lr", str(args.lrs[name])]
         print(f"=== {name}: {' '.join(argv)}", flush=True)
         out = train.run(train.parse_args(argv))
+        print(rundir.format_summary(out["summary"]), flush=True)
         report["runs"].append({"name": name, "argv": argv, "summary": out["summary"], "history": out["history"]})
         report["wall_s"] = time.perf_counter() - started
         write_outputs(report, args.out)  # after each run: partial results survive an interruption
