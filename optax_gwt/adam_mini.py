@@ -159,7 +159,7 @@ def _resolve(spec: Union[Blocks, Sequence[int], None], shape: tuple, path: tuple
     blocks = spec if isinstance(spec, Blocks) else Blocks(axes=tuple(spec or ()))
     ndim = len(shape)
     axes = tuple(sorted({a % ndim for a in blocks.axes})) if ndim else ()
-    if blocks.heads <= 1:
+    if blocks.heads <= 1 or not ndim:
         return Blocks(axes=axes)
     head_axis = blocks.head_axis % ndim
     if head_axis in axes or shape[head_axis] % blocks.heads:
