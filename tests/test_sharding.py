@@ -227,8 +227,10 @@ def test_llama_example_with_mesh_and_two_processes(tmp_path):
     def losses(name):
         return [json.loads(line)["loss"] for line in (tmp_path / name).read_text().splitlines()]
 
-    _run([*common, "--mesh", "data=2,fsdp=4", "--metrics", str(tmp_path / "mesh.jsonl")], devices=8)
-    _run_two_processes([*common, "--mesh", "data=2,fsdp=4", "--metrics", str(tmp_path / "two.jsonl")], devices_each=4)
+    _run([*common, "--mesh", "data=2,fsdp=4", "--metrics", str(tmp_path / "mesh.jsonl"),
+          "--run-dir", str(tmp_path / "mesh")], devices=8)
+    _run_two_processes([*common, "--mesh", "data=2,fsdp=4", "--metrics", str(tmp_path / "two.jsonl"),
+                        "--run-dir", str(tmp_path / "two")], devices_each=4)
     one = losses("mesh.jsonl")
     assert len(one) == 3
     np.testing.assert_allclose(losses("two.jsonl"), one, rtol=1e-5)
