@@ -379,6 +379,7 @@ def test_given_base_optimizer_does_not_use_the_kernel():
     assert kernel_calls_and_agreement(make_opt, params) == 0
 
 
+@pytest.mark.slow
 def test_bfloat16_gradients_skip_the_kernel_per_array():
     # A bfloat16 matrix is left to XLA, a float32 one next to it still uses the kernel.
     params, _ = make_params(np.float32, shapes={"w": (37, 6), "h": (16, 5), "bias": (7,)})
@@ -411,6 +412,7 @@ for dtype in (np.float32, np.float64):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2+ CPUs, Linux")
 def test_one_thread_gives_identical_bits():
     # The norm is summed per fixed chunk, in chunk order: a process pinned to one

@@ -5,7 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow
 def test_explicit_mesh_equals_one_device():
     script = Path(__file__).resolve().parent / "explicit_mesh_checks.py"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}

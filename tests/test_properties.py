@@ -46,6 +46,7 @@ _wavedec = jax.jit(wavelets.wavedec, static_argnums=(1, 2, 3, 4))
 _waverec = jax.jit(wavelets.waverec, static_argnums=(1, 2, 3))
 
 
+@pytest.mark.slow
 @settings(max_examples=30, **SETTINGS)
 @given(arrays_along_an_axis(), st.sampled_from(WAVELETS), st.sampled_from(wavelets.MODES), st.data())
 def test_wavedec_equals_pywavelets_and_reconstructs(shape_axis, wavelet, mode, data):
@@ -78,6 +79,7 @@ def _fits(n, level, wavelet, mode):
     return n >= 2**level and approx < n, approx
 
 
+@pytest.mark.slow
 @settings(max_examples=30, **SETTINGS)
 @given(
     arrays_along_an_axis(),
@@ -111,6 +113,7 @@ def test_gwt_state_and_update_shapes_or_a_clear_error(shape_axis, level, wavelet
     assert np.all(np.isfinite(np.asarray(u["p"], np.float32)))
 
 
+@pytest.mark.slow
 @settings(max_examples=15, **SETTINGS)
 @given(
     arrays_along_an_axis(max_rank=3).filter(lambda sa: len(sa[0]) >= 2),

@@ -169,6 +169,7 @@ def _run_two_processes(args, devices_each):
     return logs
 
 
+@pytest.mark.slow
 def test_eight_device_checks():
     """tests/multidevice_checks.py with 8 simulated devices: sharded == single device, no gathers, bytes/device."""
     _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "multidevice_checks.py")], devices=8)
@@ -198,6 +199,7 @@ def _assert_same_run(run, reference):
         np.testing.assert_allclose(np.asarray(run["params"][k]), e, rtol=0, atol=2e-3 * moved, err_msg=k)
 
 
+@pytest.mark.slow
 def test_two_processes_then_orbax_across_meshes(tmp_path, uninterrupted):
     """jax.distributed on localhost (2 processes x 4 CPU devices, gloo) trains 3 steps on data=2 x fsdp=4
     like one process and saves an Orbax checkpoint; one device resumes it to step 6 and saves; 8 devices
@@ -218,6 +220,7 @@ def test_two_processes_then_orbax_across_meshes(tmp_path, uninterrupted):
     _assert_same_run({"losses": two["losses"] + one["losses"] + eight["losses"], "params": eight["params"]}, uninterrupted)
 
 
+@pytest.mark.slow
 def test_llama_example_with_mesh_and_two_processes(tmp_path):
     """examples.llama.train: the mesh data=2,fsdp=4 over two processes (jax.distributed, 4 devices each)
     logs the losses of one process with 8 devices (which tests/multidevice_checks ties to one device)."""

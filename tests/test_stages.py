@@ -163,6 +163,7 @@ BASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("x64")
 @pytest.mark.parametrize("name", sorted(BASES))
 def test_other_bases_against_their_references(name):

@@ -22,6 +22,7 @@ def _pywt_wavedec(x, wavelet, mode, level, axis):
         return pywt.wavedec(x, wavelet, mode=mode, level=level, axis=axis)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wavelet", WAVELETS)
 @pytest.mark.parametrize("mode", wavelets.MODES)
 def test_wavedec_waverec_equal_pywt(wavelet, mode):
