@@ -1,0 +1,324 @@
+"""Plan a training run before renting it: whole-step memory, largest batch, tokens/s.
+
+Nothing is allocated. The train step ``params, state, batch -> params, state,
+loss`` (gradient, ``optimizer.update``, ``optax.apply_updates``; params and
+state donated) is jitted on `jax.ShapeDtypeStruct`s that carry their
+shardings, lowered and compiled ahead of time (on simulated CPU devices when
+the mesh is bigger than the machine), and XLA's own analyses are read:
+
+* ``compiled.memory_analysis()``: per device, the argument, output, aliased
+  (donated) and temporary buffers. The step's peak is
+  ``total = arguments + outputs - aliased + temporaries + code``; params,
+  optimizer state and batch are the arguments' parts, the gradients (one per
+  parameter, its shard and dtype) live among the temporaries.
+* ``compiled.cost_analysis()``: FLOPs and bytes accessed per device. XLA counts
+  a loop's body once, so a model that scans over its layers passes its own
+  ``grad_cost`` (`optax_gwt.plan.llama` extrapolates from unrolled 1- and
+  2-layer copies, `linear_extrapolation`), and the update's cost is added.
+* The largest micro-batch per device that fits a budget: a search over the
+  batch in which every probe is one compile (`largest_batch`).
+* A roofline estimate on an `Accelerator`: ``t = max(F / peak, B / bandwidth)``
+  per device, for the step and for the optimizer's update alone (its share).
+
+The LLaMA planner and its CLI (``python -m optax_gwt.plan``) are in
+`optax_gwt.plan.llama` and `optax_gwt.plan.__main__` (they need Flax); this
+module needs only JAX and Optax.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import numpy as np
+import optax
+
+from optax_gwt.sharding import state_shardings
+
+__all__ = [
+    "ACCELERATORS",
+    "Accelerator",
+    "Cost",
+    "StepMemory",
+    "StepPlan",
+    "Throughput",
+    "compile_step",
+    "compile_update",
+    "largest_batch",
+    "linear_extrapolation",
+    "plan_step",
+    "roofline",
+    "roofline_seconds",
+    "shard_bytes",
+    "step_memory",
+]
+
+GIB = 2**30
+
+
+class Accelerator(NamedTuple):
+    """One device of an accelerator: dense bf16 peak FLOP/s, HBM bandwidth (B/s) and size (bytes)."""
+
+    name: str
+    peak_flops: float
+    hbm_bandwidth: float
+    hbm_bytes: int
+
+
+#: Vendors' datasheet figures (dense bf16 without sparsity; SXM parts).
+ACCELERATORS = {
+    "h100": Accelerator("H100 SXM", 989e12, 3.35e12, 80 * GIB),
+    "h200": Accelerator("H200 SXM", 989e12, 4.8e12, 141 * GIB),
+    "a100": Accelerator("A100 80GB SXM", 312e12, 2.039e12, 80 * GIB),
+    "v5e": Accelerator("TPU v5e", 197e12, 819e9, 16 * GIB),
+}
+
+
+class StepMemory(NamedTuple):
+    """Bytes per device of one compiled train step.
+
+    ``total = params + opt_state + batch + temporaries + other``: the
+    gradients are counted inside ``temporaries`` (XLA allocates them there)
+    and reported on their own as ``grads``; ``other`` is the outputs that do
+    not alias a donated input (the loss) and the generated code.
+    """
+
+    params: int
+    grads: int
+    opt_state: int
+    batch: int
+    temporaries: int
+    other: int
+    total: int
+
+
+class Cost(NamedTuple):
+    """FLOPs and bytes accessed per device of one step (`cost_analysis`)."""
+
+    flops: float
+    bytes: float
+
+
+class StepPlan(NamedTuple):
+    """The plan of one optimizer: largest micro-batch per device and the step there."""
+
+    batch: int
+    memory: StepMemory
+    cost: Cost
+    update_cost: Cost
+    probes: dict
+    seconds: float
+
+
+def shard_bytes(tree: Any) -> int:
+    """Bytes one device holds of a pytree of `ShapeDtypeStruct`s (their ``sharding``'s shard shape)."""
+
+    def one(x):
+        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        return math.prod(shape) * np.dtype(x.dtype).itemsize
+
+    return int(sum(one(x) for x in jax.tree.leaves(tree)))
+
+
+def _with_shardings(tree: Any, shardings: Any) -> Any:
+    if shardings is None:
+        return tree
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _shardings(tree: Any) -> Any:
+    return jax.tree.map(lambda x: getattr(x, "sharding", None), tree)
+
+
+def abstract_state(optimizer: optax.GradientTransformation, params: Any) -> Any:
+    """``optimizer.init(params)`` as `ShapeDtypeStruct`s, sharded like their params (`state_shardings`)."""
+    state = jax.eval_shape(optimizer.init, params)
+    if all(s is None for s in jax.tree.leaves(_shardings(params), is_leaf=lambda s: s is None)):
+        return state
+    return _with_shardings(state, state_shardings(optimizer, params))
+
+
+def train_step(loss_fn: Callable, optimizer: optax.GradientTransformation) -> Callable:
+    """``(params, state, batch) -> (params, state, loss)``: one gradient step of `optimizer` on `loss_fn`."""
+
+    def step(params, state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, state = optimizer.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    return step
+
+
+def compile_step(loss_fn: Callable, optimizer: optax.GradientTransformation, params: Any, batch: Any):
+    """The train step compiled ahead of time for abstract, sharded inputs.
+
+    Args:
+      loss_fn: ``(params, batch) -> scalar``.
+      optimizer: any Optax transformation.
+      params, batch: pytrees of `jax.ShapeDtypeStruct` with a ``sharding``
+        (`NamedSharding` on one mesh), or without (one device).
+
+    Returns:
+      ``(compiled, state)``: the `jax.stages.Compiled` step (params and state
+      donated) and the abstract optimizer state it takes.
+    """
+    state = abstract_state(optimizer, params)
+    out = (_shardings(params), _shardings(state), None)
+    jitted = jax.jit(train_step(loss_fn, optimizer), out_shardings=out, donate_argnums=(0, 1))
+    return jitted.lower(params, state, batch).compile(), state
+
+
+def compile_update(optimizer: optax.GradientTransformation, params: Any):
+    """``optimizer.update`` and ``apply_updates`` alone (gradients like the params), compiled."""
+    state = abstract_state(optimizer, params)
+
+    def update(params, state, grads):
+        updates, state = optimizer.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    jitted = jax.jit(update, out_shardings=(_shardings(params), _shardings(state)), donate_argnums=(0, 1))
+    return jitted.lower(params, state, params).compile()
+
+
+def step_memory(compiled: Any, state: Any, batch: Any, *, params: Any) -> StepMemory:
+    """Per-device bytes of a compiled step from XLA's ``memory_analysis()`` (see `StepMemory`)."""
+    m = compiled.memory_analysis()
+    total = (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+        + m.generated_code_size_in_bytes
+    )
+    p, s, b = shard_bytes(params), shard_bytes(state), shard_bytes(batch)
+    other = total - p - s - b - m.temp_size_in_bytes
+    return StepMemory(p, p, s, b, m.temp_size_in_bytes, other, total)
+
+
+def compiled_cost(compiled: Any) -> Cost:
+    """FLOPs and bytes accessed of a compiled computation (per device; a loop's body counted once)."""
+    c = compiled.cost_analysis()
+    c = c[0] if isinstance(c, (list, tuple)) else c
+    return Cost(float(c.get("flops", 0.0)), float(c.get("bytes accessed", 0.0)))
+
+
+def _affine_guess(probes: dict, budget: int, lo: int, hi: int) -> int:
+    """The batch where the line through the two probes nearest the bracket meets `budget`, inside (lo, hi)."""
+    near = sorted(probes, key=lambda b: min(abs(b - lo), abs(b - hi)))[:2]
+    (b0, m0), (b1, m1) = [(b, probes[b]) for b in sorted(near)]
+    slope = max((m1 - m0) / max(b1 - b0, 1), 1.0)
+    guess = b0 + int((budget - m0) // slope)
+    return min(max(guess, lo + 1), hi - 1)
+
+
+def largest_batch(total_bytes: Callable[[int], int], budget: int, max_batch: int = 4096) -> tuple[int, dict]:
+    """The largest batch ``b <= max_batch`` with ``total_bytes(b) <= budget`` (0 if none).
+
+    Each probe is one compile, so the search is a bracket ``[lo, hi)`` narrowed
+    by the affine guess ``b0 + (budget - m(b0)) / slope`` (a step's memory is
+    nearly affine in the batch: two probes predict the answer, two more
+    confirm it), falling back to bisection when a guess does not close the
+    bracket; memory is assumed nondecreasing in the batch.
+
+    Returns:
+      ``(batch, probes)``, `probes` mapping each compiled batch to its bytes.
+    """
+    probes: dict = {}
+
+    def fits(b: int) -> bool:
+        if b not in probes:
+            probes[b] = total_bytes(b)
+        return probes[b] <= budget
+
+    if not fits(1):
+        return 0, probes
+    lo, hi, guesses = 1, max_batch + 1, 0
+    while hi - lo > 1:
+        if len(probes) < 2:
+            b = min(2, hi - 1)
+        elif guesses < 3:
+            b, guesses = _affine_guess(probes, budget, lo, hi), guesses + 1
+        else:
+            b = (lo + hi) // 2
+        lo, hi = (b, hi) if fits(b) else (lo, b)
+    return lo, probes
+
+
+def plan_step(
+    loss_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    params: Any,
+    batch_at: Callable[[int], Any],
+    budget: int,
+    *,
+    grad_cost: Optional[Callable[[int], Cost]] = None,
+    max_batch: int = 4096,
+) -> StepPlan:
+    """Plans one optimizer: the largest micro-batch per device that fits `budget`, its memory and cost.
+
+    Args:
+      loss_fn: ``(params, batch) -> scalar``, any model.
+      optimizer: any Optax transformation.
+      params: abstract params (`jax.ShapeDtypeStruct`s, with shardings on a mesh).
+      batch_at: ``b -> `` the abstract batch of micro-batch `b` per device.
+      budget: bytes per device.
+      grad_cost: ``b -> Cost`` of the loss's gradient at micro-batch `b`;
+        the step's cost is then that plus the update's. Default: the compiled
+        step's own `compiled_cost` (right when the model has no loop).
+      max_batch: the largest micro-batch tried.
+
+    Returns:
+      A `StepPlan`; at batch 1 (memory, cost) when even that does not fit, with ``batch=0``.
+    """
+    start = time.perf_counter()
+    compiled_at = functools.lru_cache(maxsize=None)(lambda b: compile_step(loss_fn, optimizer, params, batch_at(b)))
+    memory_at = lambda b: step_memory(*compiled_at(b), batch_at(b), params=params)  # noqa: E731
+    batch, probes = largest_batch(lambda b: memory_at(b).total, budget, max_batch)
+    b = max(batch, 1)
+    update_cost = compiled_cost(compile_update(optimizer, params))
+    if grad_cost is None:
+        cost = compiled_cost(compiled_at(b)[0])
+    else:
+        cost = Cost(*(g + u for g, u in zip(grad_cost(b), update_cost)))
+    return StepPlan(batch, memory_at(b), cost, update_cost, probes, time.perf_counter() - start)
+
+
+def linear_extrapolation(cost_of: Callable[[int], Cost], n: int) -> Cost:
+    """``cost(n) = cost(1) + (n - 1) * (cost(2) - cost(1))``, for a cost affine in `n`.
+
+    E.g. `n` layers of a stack of identical layers, compiled unrolled (so that
+    XLA counts every layer, where a scan's body is counted once), or the
+    micro-batch (FLOPs are linear in it).
+    """
+    one, two = cost_of(1), cost_of(2)
+    return Cost(*(a + (n - 1) * (b - a) for a, b in zip(one, two)))
+
+
+class Throughput(NamedTuple):
+    """Roofline estimate of one step: tokens/s, seconds per step and the update's share of them."""
+
+    tokens_per_s: float
+    step_seconds: float
+    update_seconds: float
+    update_share: float
+    bound: str
+
+
+def roofline_seconds(cost: Cost, accelerator: Accelerator) -> float:
+    """``max(flops / peak, bytes / bandwidth)``: the time one device needs at best."""
+    return max(cost.flops / accelerator.peak_flops, cost.bytes / accelerator.hbm_bandwidth)
+
+
+def roofline(plan: StepPlan, accelerator: Accelerator, tokens_per_step: int) -> Throughput:
+    """Tokens/s of `plan`'s step on `accelerator`: ``tokens_per_step / max(F / peak, B / bandwidth)``.
+
+    `tokens_per_step` counts the whole mesh (micro-batch x batch-splitting
+    devices x sequence length); the costs are per device, all devices
+    running in parallel. Communication and kernel launch are not counted.
+    """
+    step, update = roofline_seconds(plan.cost, accelerator), roofline_seconds(plan.update_cost, accelerator)
+    bound = "compute" if plan.cost.flops / accelerator.peak_flops >= plan.cost.bytes / accelerator.hbm_bandwidth else "memory"
+    return Throughput(tokens_per_step / step, step, update, update / step, bound)

@@ -1,0 +1,102 @@
+"""The planner's output: rows of numbers, a terminal table, Markdown, JSON and a plot."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from optax_gwt import plan as plan_lib
+
+__all__ = ["COLUMNS", "row", "table", "markdown", "to_json", "plot"]
+
+GIB = 2**30
+
+#: (key, header, format) of the table's columns; memory in GiB per device.
+COLUMNS = (
+    ("config", "model", "{}"),
+    ("optimizer", "optimizer", "{}"),
+    ("batch", "micro-batch/dev", "{}"),
+    ("params_gib", "params", "{:.2f}"),
+    ("grads_gib", "grads", "{:.2f}"),
+    ("state_gib", "opt state", "{:.2f}"),
+    ("temps_gib", "temps", "{:.2f}"),
+    ("total_gib", "total", "{:.2f}"),
+    ("total_b1_gib", "total @1", "{:.2f}"),
+    ("tflops", "TFLOP/step/dev", "{:.2f}"),
+    ("tokens_per_s", "tokens/s", "{:,.0f}"),
+    ("update_share", "update share", "{:.2%}"),
+)
+
+
+def row(name: str, optimizer: str, n_params: int, plan: plan_lib.StepPlan, accelerator: plan_lib.Accelerator, tokens_per_example: int, batch_devices: int) -> dict:
+    """`optimizer`'s numbers on config `name`: memory per device (GiB) at its largest micro-batch, cost, roofline tokens/s.
+
+    `tokens_per_example`: the sequence length; `batch_devices`: the devices
+    the batch is split over (``data x fsdp``).
+    """
+    m = plan.memory
+    tokens = plan.batch * batch_devices * tokens_per_example
+    speed = plan_lib.roofline(plan, accelerator, max(tokens, 1))
+    return {
+        "config": name,
+        "optimizer": optimizer,
+        "n_params": n_params,
+        "batch": plan.batch,
+        "global_batch": plan.batch * batch_devices,
+        **{f"{k}_gib": getattr(m, k) / GIB for k in ("params", "grads", "total")},
+        "state_gib": m.opt_state / GIB,
+        "temps_gib": m.temporaries / GIB,
+        "total_b1_gib": plan.probes[1] / GIB,
+        "tflops": plan.cost.flops / 1e12,
+        "gbytes": plan.cost.bytes / 1e9,
+        "tokens_per_s": speed.tokens_per_s if plan.batch else 0.0,
+        "update_share": speed.update_share,
+        "bound": speed.bound,
+        "compile_probes": {int(b): int(v) for b, v in plan.probes.items()},
+        "seconds": plan.seconds,
+    }
+
+
+def _cells(r: dict) -> list[str]:
+    return [fmt.format(r[key]) for key, _, fmt in COLUMNS]
+
+
+def table(rows: Sequence[dict]) -> str:
+    """A plain-text table, columns aligned (memory in GiB per device)."""
+    lines = [[h for _, h, _ in COLUMNS]] + [_cells(r) for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(COLUMNS))]
+    out = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
+    return "\n".join(out[:1] + ["  ".join("-" * w for w in widths)] + out[1:])
+
+
+def markdown(rows: Sequence[dict]) -> str:
+    """The table in Markdown (memory in GiB per device)."""
+    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    return "\n".join(lines + ["| " + " | ".join(_cells(r)) + " |" for r in rows])
+
+
+def to_json(rows: Sequence[dict], settings: dict) -> str:
+    """``{"settings": ..., "rows": ...}`` as indented JSON."""
+    return json.dumps({"settings": settings, "rows": list(rows)}, indent=1)
+
+
+def plot(rows: Sequence[dict], path: str, hbm_gib: float) -> None:
+    """Memory per device at micro-batch 1, and the largest micro-batch, against model size, per optimizer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in dict.fromkeys(r["optimizer"] for r in rows):
+        mine = sorted((r for r in rows if r["optimizer"] == name), key=lambda r: r["n_params"])
+        sizes = [r["n_params"] / 1e9 for r in mine]
+        left.plot(sizes, [r["total_b1_gib"] for r in mine], marker="o", label=name)
+        right.plot(sizes, [r["batch"] for r in mine], marker="o", label=name)
+    left.axhline(hbm_gib, color="k", ls="--", lw=1, label=f"budget {hbm_gib:g} GiB")
+    left.set(xscale="log", yscale="log", xlabel="parameters (B)", ylabel="GiB per device at micro-batch 1")
+    right.set(xscale="log", xlabel="parameters (B)", ylabel="largest micro-batch per device")
+    left.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

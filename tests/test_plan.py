@@ -1,0 +1,127 @@
+"""The planner (optax_gwt.plan): memory from XLA's analysis, the batch search, the roofline.
+
+Most tests plan a toy two-matrix model (compiles in a fraction of a second);
+one subprocess plans it on 4 simulated devices; the LLaMA planner is checked
+on a tiny config (slow: a few compiles of the scanned decoder).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import optax_gwt
+from optax_gwt import plan
+
+
+def toy_loss(params, batch):
+    x, y = batch
+    return jnp.mean((jnp.tanh(x @ params["w1"]) @ params["w2"] - y) ** 2)
+
+
+def toy_params(width: int = 64, hidden: int = 256) -> dict:
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+    return {"w1": f32(width, hidden), "w2": f32(hidden, width)}
+
+
+def toy_batch(b: int, width: int = 64) -> tuple:
+    return (jax.ShapeDtypeStruct((16 * b, width), jnp.float32),) * 2
+
+
+def total(tx, params, b, width=64) -> plan.StepMemory:
+    compiled, state = plan.compile_step(toy_loss, tx, params, toy_batch(b, width))
+    return plan.step_memory(compiled, state, toy_batch(b, width), params=params)
+
+
+def test_largest_batch_is_exact_with_few_probes():
+    for per, fixed, budget in [(100, 1000, 5050), (37, 0, 10_000), (1, 5, 6)]:
+        batch, probes = plan.largest_batch(lambda b: fixed + per * b + (b * b) // 50, budget, max_batch=500)
+        expected = max(b for b in range(1, 501) if fixed + per * b + (b * b) // 50 <= budget)
+        assert batch == expected and len(probes) <= 12
+    assert plan.largest_batch(lambda b: 10 * b, 5) == (0, {1: 10})
+
+
+def test_memory_grows_with_batch_and_model_size():
+    adam = optax.adamw(1e-3)
+    by_batch = [total(adam, toy_params(), b).total for b in (1, 4, 16)]
+    assert by_batch == sorted(set(by_batch))
+    assert total(adam, toy_params(hidden=512), 1).total > by_batch[0]
+
+
+def test_gwt_below_adam_and_state_matches_optimizer_state_bytes():
+    params = toy_params()
+    adam, gwt = total(optax.adamw(1e-3), params, 2), total(optax_gwt.gwt_adamw(1e-3, level=2), params, 2)
+    assert gwt.opt_state < adam.opt_state and gwt.total < adam.total
+    assert gwt.opt_state == optax_gwt.optimizer_state_bytes(optax_gwt.gwt_adamw(1e-3, level=2), params).total
+    assert adam.params == adam.grads == 2 * 64 * 256 * 4
+
+
+def test_plan_step_fits_the_budget_and_roofline():
+    params, tx = toy_params(), optax_gwt.gwt_adamw(1e-3, level=2)
+    one = total(tx, params, 1).total
+    result = plan.plan_step(toy_loss, tx, params, toy_batch, one + 40_000)
+    assert result.batch >= 2 and result.memory.total <= one + 40_000
+    assert result.probes[result.batch + 1] > one + 40_000
+    speed = plan.roofline(result, plan.ACCELERATORS["h100"], tokens_per_step=16 * result.batch)
+    assert speed.tokens_per_s > 0 and 0 < speed.update_share < 1
+
+
+def test_linear_extrapolation():
+    cost = plan.linear_extrapolation(lambda n: plan.Cost(10.0 + 3 * n, 1.0 * n), 32)
+    assert cost == plan.Cost(10.0 + 3 * 32, 32.0)
+
+
+SHARDED = """
+import json, jax, jax.numpy as jnp, numpy as np, optax, optax_gwt
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from optax_gwt import plan
+from tests.test_plan import toy_loss, toy_params, toy_batch
+out = {}
+for n in (1, 2, 4):
+    mesh = Mesh(np.array(jax.devices()[:n]), ("fsdp",))
+    put = lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+    params = {k: put(v, P(None, "fsdp")) for k, v in toy_params().items()}
+    batch = tuple(put(x, P("fsdp")) for x in toy_batch(n))  # micro-batch 1 per device
+    for name, tx in (("adam", optax.adamw(1e-3)), ("gwt", optax_gwt.gwt_adamw(1e-3, level=2))):
+        compiled, state = plan.compile_step(toy_loss, tx, params, batch)
+        out[f"{name}{n}"] = plan.step_memory(compiled, state, batch, params=params).total
+print(json.dumps(out))
+"""
+
+
+def test_sharded_totals_fall_with_devices():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0", "JAX_PLATFORMS": "cpu"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", SHARDED], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for name in ("adam", "gwt"):
+        assert out[f"{name}1"] > out[f"{name}2"] > out[f"{name}4"]
+        assert out[f"gwt{1}"] < out[f"adam{1}"]
+
+
+@pytest.mark.slow
+def test_llama_planner_on_a_tiny_config():
+    pytest.importorskip("flax")
+    from examples.llama.model import LlamaConfig
+    from optax_gwt.plan import llama
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_heads=2, num_layers=2)
+    mesh = llama.make_mesh({})
+    params = llama.sharded(llama.abstract_params(cfg), mesh)
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    memory = {}
+    for name in ("adamw", "gwt-2"):
+        tx = llama.make_optimizer(name, cfg)
+        compiled, state = plan.compile_step(llama.loss_fn(cfg, mesh=mesh), tx, params, llama.batch_at(mesh, 16)(2))
+        memory[name] = plan.step_memory(compiled, state, llama.batch_at(mesh, 16)(2), params=params)
+    assert memory["adamw"].params == 4 * n_params
+    assert memory["adamw"].opt_state >= 2 * 4 * n_params > memory["gwt-2"].opt_state
+    assert memory["gwt-2"].total < memory["adamw"].total
