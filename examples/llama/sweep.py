@@ -193,6 +193,8 @@ def _record(study: str, run: dict, argv: list, result: dict, wall_s: float) -> d
 
 def run_one(study: dict, run: dict, actions: dict) -> dict:
     """Trains `run` in this process, into a fresh run directory; returns its JSONL record."""
+    import jax
+
     from examples.llama import train
 
     digest = hashlib.sha1(run_key(run).encode()).hexdigest()[:10]
@@ -205,6 +207,7 @@ def run_one(study: dict, run: dict, actions: dict) -> dict:
     record["run_dir"] = run_dir
     if not study.get("keep_checkpoints", False):
         shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
+    jax.clear_caches()  # each run's steps are new closures: their compilations would pile up over a study
     return record
 
 
