@@ -20,6 +20,7 @@ from optax_gwt.stages import (
 )
 from optax_gwt.transform import STATIC_ARGS, DecayAfterStepState, decay_weights_after_step, gwt_adamw, scale_by_gwt
 from optax_gwt.wavelets import waverec, wavedec
+from optax_gwt import plan  # the memory planner (JAX and Optax only; its LLaMA part, optax_gwt.plan.llama, needs Flax)
 
 __version__ = "0.1.0"
 
