@@ -49,7 +49,11 @@ def row(name: str, optimizer: str, n_params: int, plan: plan_lib.StepPlan, accel
         "total_b1_gib": plan.probes[1] / GIB,
         "tflops": plan.cost.flops / 1e12,
         "gbytes": plan.cost.bytes / 1e9,
+        "update_tflops": plan.update_cost.flops / 1e12,
+        "update_gbytes": plan.update_cost.bytes / 1e9,
         "tokens_per_s": speed.tokens_per_s if plan.batch else 0.0,
+        # the FLOP-bound alone (XLA CPU's byte counts include what a GPU's fusions would keep on chip)
+        "tokens_per_s_flops": tokens * accelerator.peak_flops / plan.cost.flops if plan.batch else 0.0,
         "update_share": speed.update_share,
         "bound": speed.bound,
         "compile_probes": {int(b): int(v) for b, v in plan.probes.items()},
