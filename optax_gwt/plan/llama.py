@@ -38,7 +38,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from examples.llama import optimizers as optimizers_lib
-from examples.llama.model import CONFIGS, Block, Llama, LlamaConfig
+from examples.llama.model import Block, Llama, LlamaConfig
 from optax_gwt import plan as plan_lib
 
 __all__ = [
@@ -188,20 +188,16 @@ def over_layers(tx: optax.GradientTransformation) -> optax.GradientTransformatio
 
 
 def state_in(dtype: str, tx: optax.GradientTransformation) -> optax.GradientTransformation:
-    """`tx` with every floating array of its state stored in `dtype` (cast after each update)."""
+    """`tx` with every floating array of its state stored in `dtype` (cast back after each update)."""
 
-    def cast(state, like):
-        return jax.tree.map(lambda x, y: x.astype(y.dtype) if jnp.issubdtype(y.dtype, jnp.floating) else x, state, like)
-
-    def init(params):
-        state = tx.init(params)
-        return cast(state, jax.tree.map(lambda x: jnp.zeros((), dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state))
+    def to(x, d):
+        return x.astype(d) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
     def update(updates, state, params=None):
         updates, new_state = tx.update(updates, state, params)
-        return updates, cast(new_state, state)
+        return updates, jax.tree.map(lambda new, old: to(new, old.dtype), new_state, state)
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformation(lambda params: jax.tree.map(lambda x: to(x, dtype), tx.init(params)), update)
 
 
 def make_optimizer(name: str, cfg: LlamaConfig, state_dtype: str = "float32") -> optax.GradientTransformation:

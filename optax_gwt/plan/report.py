@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import Sequence
 
 from optax_gwt import plan as plan_lib
 
