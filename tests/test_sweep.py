@@ -75,6 +75,10 @@ def test_report_best_setting_spread_and_edge_flag(tmp_path):
     records.append(_record("gwt", 1e-1, 0, 2.0))
     best = sweep.best_settings(records)[task]
     assert best["gwt"]["flags"]["lr"] == 1e-1 and best["gwt"]["edges"] == ["lr at the high edge"]
+    # A setting with fewer seeds (here one, lucky) is not a candidate, but counts for the grid's edges.
+    best = sweep.best_settings(records + [_record("adamw", 3e-1, 0, 1.0)])[task]
+    assert best["adamw"]["flags"]["lr"] == 1e-2 and best["adamw"]["edges"] == []
+    best = sweep.best_settings(records)[task]
     agreement = sweep.ranking_agreement({task: best})[task]
     assert agreement["final"] == ["gwt", "adamw"] and agreement["agree"]
     path = tmp_path / "study.jsonl"

@@ -299,16 +299,19 @@ def _edges(best: dict, settings: dict) -> list[str]:
 def best_settings(records: Iterable[dict]) -> dict:
     """Per task and optimizer: its best setting by mean final validation loss over seeds.
 
+    Only the settings run on the most seeds (of that optimizer and task) are
+    candidates: a lucky single seed of a setting dropped from the grid does not win.
     Returns ``{task: {name: {"flags", "mean", "std", "n", "diverged", "edges", "runs",
     "settings"}}}``; ``edges`` names the swept axes (lr, alpha, ...) whose best
-    value sits on the edge of the grid: widen the grid there.
+    value sits on the edge of the values tried: widen the grid there.
     """
     out = {}
     for task, names in group_settings(records).items():
         out[task] = {}
         for name, settings in names.items():
             scored = {s: _stats(runs) for s, runs in settings.items()}
-            best = min(scored, key=lambda s: (scored[s]["mean"], s))
+            most = max(st["n"] for st in scored.values())  # a setting run on fewer seeds is not a candidate
+            best = min((s for s in scored if scored[s]["n"] == most), key=lambda s: (scored[s]["mean"], s))
             flags = settings[best][0]["flags"]
             out[task][name] = {"flags": {k: v for k, v in flags.items() if k != "seed"}, **scored[best],
                                "edges": _edges(flags, settings), "runs": settings[best], "settings": len(settings)}  # fmt: skip
