@@ -205,23 +205,35 @@ def compiled_cost(compiled: Any) -> Cost:
     return Cost(float(c.get("flops", 0.0)), float(c.get("bytes accessed", 0.0)))
 
 
-def _affine_guess(probes: dict, budget: int, lo: int, hi: int) -> int:
-    """The batch where the line through the two probes nearest the bracket meets `budget`, inside (lo, hi)."""
-    near = sorted(probes, key=lambda b: min(abs(b - lo), abs(b - hi)))[:2]
-    (b0, m0), (b1, m1) = [(b, probes[b]) for b in sorted(near)]
-    slope = max((m1 - m0) / max(b1 - b0, 1), 1.0)
-    guess = b0 + int((budget - m0) // slope)
-    return min(max(guess, lo + 1), hi - 1)
+def _guess(probes: dict, budget: int, lo: int, hi: int) -> int:
+    """The batch where memory meets `budget` on a line through two probes, inside ``(lo, hi)``.
+
+    After a probe that fitted, the line runs through the two largest fitting
+    probes (16 is tried after 1); else, or where those are flat, between the
+    bracket's ends once both are probed. No line with a slope: the top of an
+    open bracket, the middle of a closed one.
+    """
+    fitting = sorted(b for b in probes if b <= lo)
+    if len(fitting) == 1 and hi not in probes:
+        return min(16, hi - 1)
+    lines = [fitting[-2:]] if next(reversed(probes)) == lo and len(fitting) > 1 else []
+    lines += [(lo, hi)] if hi in probes else []
+    for b0, b1 in lines:
+        slope = (probes[b1] - probes[b0]) / (b1 - b0)
+        if slope > 0:
+            return int(min(max(b0 + (budget - probes[b0]) // slope, lo + 1), hi - 1))
+    return (lo + hi) // 2 if hi in probes else hi - 1
 
 
 def largest_batch(total_bytes: Callable[[int], int], budget: int, max_batch: int = 4096) -> tuple[int, dict]:
     """The largest batch ``b <= max_batch`` with ``total_bytes(b) <= budget`` (0 if none).
 
-    Each probe is one compile, so the search is a bracket ``[lo, hi)`` narrowed
-    by the affine guess ``b0 + (budget - m(b0)) / slope`` (a step's memory is
-    nearly affine in the batch: two probes predict the answer, two more
-    confirm it), falling back to bisection when a guess does not close the
-    bracket; memory is assumed nondecreasing in the batch.
+    Each probe is one compile, so the bracket ``[lo, hi)`` (``lo`` fits,
+    ``hi`` does not) is narrowed by where a line through two probes meets the
+    budget (a step's memory is nearly affine in the batch: flat while the
+    activations fit in the optimizer's scratch, then linear), with a bisection
+    step after two guesses that did not halve the bracket (regula falsi made
+    safe): 4-9 compiles up to 4096 on the recorded LLaMA plans. Memory is assumed nondecreasing in the batch.
 
     Returns:
       ``(batch, probes)``, `probes` mapping each compiled batch to its bytes.
@@ -235,15 +247,12 @@ def largest_batch(total_bytes: Callable[[int], int], budget: int, max_batch: int
 
     if not fits(1):
         return 0, probes
-    lo, hi, guesses = 1, max_batch + 1, 0
+    lo, hi, stalls = 1, max_batch + 1, 0
     while hi - lo > 1:
-        if len(probes) < 2:
-            b = min(2, hi - 1)
-        elif guesses < 3:
-            b, guesses = _affine_guess(probes, budget, lo, hi), guesses + 1
-        else:
-            b = (lo + hi) // 2
+        b = (lo + hi) // 2 if stalls >= 2 else _guess(probes, budget, lo, hi)
+        width, closed = hi - lo, hi in probes
         lo, hi = (b, hi) if fits(b) else (lo, b)
+        stalls = stalls + 1 if closed and stalls < 2 and hi - lo > width // 2 else 0
     return lo, probes
 
 
