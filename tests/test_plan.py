@@ -7,6 +7,7 @@ on a tiny config (slow: a few compiles of the scanned decoder).
 
 from __future__ import annotations
 
+import doctest
 import json
 import os
 import subprocess
@@ -71,6 +72,11 @@ def test_plan_step_fits_the_budget_and_roofline():
     assert result.probes[result.batch + 1] > one + 40_000
     speed = plan.roofline(result, plan.ACCELERATORS["h100"], tokens_per_step=16 * result.batch)
     assert speed.tokens_per_s > 0 and 0 < speed.update_share < 1
+
+
+def test_docstring_examples():
+    result = doctest.testmod(plan, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted and not result.failed
 
 
 def test_linear_extrapolation():

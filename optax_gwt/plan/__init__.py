@@ -41,6 +41,8 @@ from optax_gwt.sharding import state_shardings
 __all__ = [
     "ACCELERATORS",
     "Accelerator",
+    "abstract_state",
+    "compiled_cost",
     "Cost",
     "StepMemory",
     "StepPlan",
@@ -54,6 +56,7 @@ __all__ = [
     "roofline_seconds",
     "shard_bytes",
     "step_memory",
+    "train_step",
 ]
 
 GIB = 2**30
@@ -281,6 +284,15 @@ def plan_step(
 
     Returns:
       A `StepPlan`; at batch 1 (memory, cost) when even that does not fit, with ``batch=0``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax_gwt
+      >>> params = {"w": jax.ShapeDtypeStruct((256, 256), jnp.float32)}
+      >>> loss = lambda p, x: jnp.mean((x @ p["w"]) ** 2)
+      >>> batch_at = lambda b: jax.ShapeDtypeStruct((8 * b, 256), jnp.float32)
+      >>> result = plan_step(loss, optax_gwt.gwt_adamw(1e-3), params, batch_at, budget=2**20)
+      >>> result.batch > 0, result.memory.total <= 2**20 < result.probes[result.batch + 1]
+      (True, True)
     """
     start = time.perf_counter()
     compiled_at = functools.lru_cache(maxsize=None)(lambda b: compile_step(loss_fn, optimizer, params, batch_at(b)))
