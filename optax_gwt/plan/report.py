@@ -7,7 +7,7 @@ from typing import Sequence
 
 from optax_gwt import plan as plan_lib
 
-__all__ = ["COLUMNS", "row", "table", "markdown", "to_json", "plot"]
+__all__ = ["COLUMNS", "row", "table", "markdown", "to_json", "plot", "replot"]
 
 GIB = 2**30
 
@@ -98,9 +98,21 @@ def plot(rows: Sequence[dict], path: str, hbm_gib: float) -> None:
         left.plot(sizes, [r["total_b1_gib"] for r in mine], marker="o", label=name)
         right.plot(sizes, [r["batch"] for r in mine], marker="o", label=name)
     left.axhline(hbm_gib, color="k", ls="--", lw=1, label=f"budget {hbm_gib:g} GiB")
-    left.set(xscale="log", yscale="log", xlabel="parameters (B)", ylabel="GiB per device at micro-batch 1")
-    right.set(xscale="log", xlabel="parameters (B)", ylabel="largest micro-batch per device")
+    left.set(yscale="log", ylabel="GiB per device at micro-batch 1")
+    right.set(ylabel="largest micro-batch per device")
+    sizes = {r["config"]: r["n_params"] / 1e9 for r in rows}
+    for ax in (left, right):  # one tick per model, named
+        ax.set(xscale="log", xlabel="parameters (B)")
+        ax.set_xticks(list(sizes.values()), [f"{k}\n{v:.2g}" for k, v in sizes.items()], minor=False)
+        ax.set_xticks([], minor=True)
     left.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def replot(prefix: str) -> None:
+    """``PREFIX.png`` again from ``PREFIX.json`` (no compiling)."""
+    with open(prefix + ".json") as f:
+        saved = json.load(f)
+    plot(saved["rows"], prefix + ".png", saved["settings"]["accelerator"]["hbm_bytes"] / GIB)
