@@ -40,6 +40,12 @@ class Blocks(NamedTuple):
         (attention heads) and each group is averaged over as well: one value
         per head (and per index of the axes not in `axes`).
       head_axis: the axis that `heads` cuts (not one of `axes`).
+
+    Example:
+      >>> import jax.numpy as jnp, optax_gwt
+      >>> per_head = lambda path, x: optax_gwt.Blocks(axes=(0,), heads=2, head_axis=1)
+      >>> optax_gwt.scale_by_adam_mini(block_axes=per_head).init({"q": jnp.zeros((4, 6))}).nu["q"].shape
+      (1, 2, 1)
     """
 
     axes: tuple[int, ...] = ()
@@ -211,6 +217,12 @@ class ScaleByAdamMiniState(NamedTuple):
       nu: per array, one second-moment value per block, shaped like the array
         (its head axis cut into ``(heads, head_dim)``) with the averaged axes
         of size 1.
+
+    Example:
+      >>> import jax.numpy as jnp, optax_gwt
+      >>> state = optax_gwt.scale_by_adam_mini().init({"w": jnp.zeros((4, 3))})
+      >>> state.mu["w"].shape, state.nu["w"].shape  # m full-size, v one per column
+      ((4, 3), (1, 3))
     """
 
     count: jax.Array
