@@ -76,7 +76,7 @@ class Precision(NamedTuple):
 
 def _split(module: nnx.Module) -> tuple[nnx.GraphDef, dict]:
     graphdef, state = nnx.split(module)
-    return graphdef, state.to_pure_dict()
+    return graphdef, nnx.to_pure_dict(state)
 
 
 def _modules(cfg: LlamaConfig) -> tuple:
