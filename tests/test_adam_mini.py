@@ -240,6 +240,7 @@ def test_inject_hyperparams():
     assert float(state.hyperparams["b2"]) == pytest.approx(B2)
 
 
+@pytest.mark.slow
 def test_flax_nnx_optimizer():
     nnx = pytest.importorskip("flax.nnx")
 

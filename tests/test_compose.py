@@ -174,6 +174,7 @@ def test_apply_if_finite_skips_bad_steps(make):
     assert int(new_state.notfinite_count) == 1
 
 
+@pytest.mark.slow
 def test_flax_nnx_optimizer(make):
     nnx = pytest.importorskip("flax.nnx")
 

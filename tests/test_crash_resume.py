@@ -101,6 +101,7 @@ def saved_run(saved_json_run):
     return saved_json_run[0]
 
 
+@pytest.mark.slow
 def test_a_run_writes_its_directory_and_a_summary(saved_json_run):
     run_dir, printed = saved_json_run
     assert len(printed.splitlines()) == 1  # --json: nothing but the summary
@@ -141,6 +142,7 @@ def test_sigkill_between_checkpoints_resumes_to_the_same_losses(killed_run, tmp_
     assert resumed["summary"]["final_val_loss"] is not None
 
 
+@pytest.mark.slow
 def test_a_partially_written_step_is_never_picked(saved_run, tmp_path):
     ckpt = _checkpoints(_copy(saved_run, tmp_path))
     complete = Checkpointer(ckpt).latest_step()
@@ -150,11 +152,13 @@ def test_a_partially_written_step_is_never_picked(saved_run, tmp_path):
     assert Checkpointer(ckpt).latest_step() == complete
 
 
+@pytest.mark.slow
 def test_a_fresh_run_does_not_overwrite_a_run_directory(corpus, saved_run, tmp_path):
     with pytest.raises(SystemExit, match="already holds a checkpoint(.|\n)*--resume"):
         train.run(train.parse_args(_args(corpus, _copy(saved_run, tmp_path))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "change, named",
     [(["--level", "3"], "level"), (["--optimizer", "adamw"], "optimizer"), (["--model", "num_layers=2"], "num_layers")],
@@ -165,6 +169,7 @@ def test_a_checkpoint_of_another_run_is_refused(saved_run, tmp_path, change, nam
         train.run(train.parse_args(["--resume", run_dir, *change]))  # flags given again override config.json
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncate array data", "delete array data", "truncate metadata"])
 def test_a_damaged_checkpoint_is_refused_whole(saved_run, tmp_path, damage):
     run_dir = _copy(saved_run, tmp_path)

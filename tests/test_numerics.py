@@ -241,6 +241,7 @@ def test_detail_clip_bounds_the_worst_case(dtype, wavelet, mode):
             assert np.abs(u32).max() <= scale * clip + low_bound + 1e-3, (n, amp, np.abs(u32).max())
 
 
+@pytest.mark.slow
 def test_detail_clip_inactive_on_ordinary_gradients_equals_default():
     params = _params()
     grads = _grad_seq(4)

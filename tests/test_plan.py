@@ -102,6 +102,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_sharded_totals_fall_with_devices():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0", "JAX_PLATFORMS": "cpu"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,6 +10,7 @@ from examples.llama import sweep
 SMOKE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "llama", "studies", "smoke.toml")
 
 
+@pytest.mark.slow
 def test_smoke_grid_runs_then_resumes_without_rerunning(tmp_path, monkeypatch):
     out, runs = str(tmp_path / "smoke.jsonl"), str(tmp_path / "runs")
     sweep.main(["--config", SMOKE, "--output", out, "--run-root", runs])

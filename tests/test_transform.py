@@ -54,6 +54,7 @@ def test_trajectory_equals_reference_float64(wavelet, mode, level):
         np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-9, atol=1e-12, err_msg=k)
 
 
+@pytest.mark.slow
 def test_schedule_and_weight_decay_after_the_step():
     sched = optax.linear_schedule(1e-2, 4e-2, 5)
     opt = optax_gwt.gwt_adamw(sched, weight_decay=0.5, level=2, wavelet="db2")

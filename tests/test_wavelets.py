@@ -96,6 +96,7 @@ def test_haar_has_no_convolution():
         assert op not in jaxpr
 
 
+@pytest.mark.slow
 def test_jit_vmap_grad():
     x = jnp.asarray(np.random.default_rng(5).standard_normal((4, 21)))
     f = lambda v: wavelets.wavedec(v, "sym4", "periodization", 2)
