@@ -10,8 +10,10 @@ import pytest
 
 @pytest.mark.slow
 def test_explicit_mesh_equals_one_device():
-    script = Path(__file__).resolve().parent / "explicit_mesh_checks.py"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    here = Path(__file__).resolve().parent
+    path = os.pathsep.join(p for p in (str(here.parent), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": path}
+    proc = subprocess.run([sys.executable, str(here / "explicit_mesh_checks.py")], capture_output=True, text=True,
+                          env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "explicit mesh checks passed" in proc.stdout

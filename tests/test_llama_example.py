@@ -66,6 +66,7 @@ def test_configs_match_the_paper():
     assert model.get_config("9m", vocab_size=258).vocab_size == 258
 
 
+@pytest.mark.slow
 def test_model_shapes_and_parameter_count():
     cfg = model.get_config("9m", vocab_size=258, num_layers=2)
     m = model.Llama(cfg, nnx.Rngs(0))
@@ -78,6 +79,7 @@ def test_model_shapes_and_parameter_count():
     assert m.lm_head.kernel.shape == (d, v) and m.layers[0].mlp.down_proj.kernel.shape == (f, d)
 
 
+@pytest.mark.slow
 def test_attention_is_causal():
     cfg = model.get_config("9m", vocab_size=258, num_layers=2)
     m = model.Llama(cfg, nnx.Rngs(1))

@@ -61,6 +61,7 @@ def test_hand_chain_equals_gwt_adamw_bit_for_bit(kernel):
     chex.assert_trees_all_equal(got, want)
 
 
+@pytest.mark.slow
 class HandChainWithAndWithoutJit(chex.TestCase):
     """The stages run eagerly and under jit, and agree with the jitted builder (as Optax tests its transforms)."""
 
