@@ -95,3 +95,34 @@ def test_study_configs_expand(name):
     assert runs and len({sweep.run_key(r) for r in runs}) == len(runs)
     seeds = {r["flags"]["seed"] for r in runs}
     assert name == "smoke" or seeds == {0, 1, 2}  # at least 3 seeds for a ranking
+
+
+def test_confirmation_seeds_repeat_the_best_tuned_setting(tmp_path, monkeypatch):
+    config = {
+        "study": {"name": "t", "confirm_seeds": [1, 2]},
+        "grid": {"seed": [0], "steps": [10]},
+        "optimizers": {"adamw": {"lr": [1e-3, 1e-2, 1e-1]}, "gwt": {"lr": [1e-2, 1e-1]}},
+    }
+    out, trained = str(tmp_path / "t.jsonl"), []
+    loss = {("adamw", 1e-3): 3.0, ("adamw", 1e-2): 2.0, ("adamw", 1e-1): None, ("gwt", 1e-2): 2.5, ("gwt", 1e-1): 2.4}
+
+    def fake_run(study, run, actions):  # a deterministic stand-in for training
+        trained.append((run["name"], run["flags"]["lr"], run["flags"]["seed"]))
+        final = loss[run["name"], run["flags"]["lr"]]
+        final = None if final is None else final + 0.01 * run["flags"]["seed"]
+        return {"key": sweep.run_key(run), "name": run["name"], "flags": run["flags"], "final_val_loss": final,
+                "val_curve": [], "wall_s": 1.0}
+
+    monkeypatch.setattr(sweep, "run_one", fake_run)
+    assert sweep.confirmation_runs(config, []) == []  # nothing tuned yet
+    sweep.run_grid(config, out, str(tmp_path / "runs"), only=["adamw"], log=lambda _: None)
+    # adamw's grid, then its best (lr 1e-2; the diverged 1e-1 is not) on seeds 1 and 2; gwt not run (--only)
+    assert trained == [("adamw", 1e-3, 0), ("adamw", 1e-2, 0), ("adamw", 1e-1, 0), ("adamw", 1e-2, 1), ("adamw", 1e-2, 2)]
+    trained.clear()
+    sweep.run_grid(config, out, str(tmp_path / "runs"), log=lambda _: None)
+    assert trained == [("gwt", 1e-2, 0), ("gwt", 1e-1, 0), ("gwt", 1e-1, 1), ("gwt", 1e-1, 2)]
+    trained.clear()
+    assert sweep.run_grid(config, out, str(tmp_path / "runs"), log=lambda _: None) == [] and trained == []
+    best = sweep.best_settings(sweep.load_records(out))
+    # only the three-seed settings are candidates
+    assert {n: (b["flags"]["lr"], b["n"]) for n, b in next(iter(best.values())).items()} == {"adamw": (1e-2, 3), "gwt": (1e-1, 3)}

@@ -7,7 +7,9 @@
 The config (TOML, JSON or YAML) has four parts::
 
     [study]                  name, output (the JSONL), run_root (run directories),
-                             keep_checkpoints (false: delete each run's checkpoints)
+                             keep_checkpoints (false: delete each run's checkpoints),
+                             confirm_seeds (tune on the grid's seed, then rerun
+                             each optimizer's best setting with these seeds)
     [grid]                   axes shared by every optimizer, each a list:
                              seed, seq_len, steps, alpha, lr, ... (any train flag);
                              tokens_per_step = N sets batch_size = N // seq_len
@@ -24,6 +26,11 @@ its `run` in this process with the namespace its `parse_args` builds. Each
 finished run appends one JSON line to the output: its flags, the validation
 loss curve, tokens/s, optimizer-state bytes and wall time. Runs already in the
 output are skipped, so an interrupted study continues where it stopped.
+
+Tuning on one seed and confirming on more: with ``seed = [0]`` in [grid] and
+``confirm_seeds = [1, 2]`` in [study], once an optimizer's grid (of a task)
+is finished, its best setting by seed 0's final validation loss runs again
+with seeds 1 and 2; the report then ranks the settings run on three seeds.
 
 ``--report`` (also written after a grid) groups the runs by task (sequence
 length, steps, batch) and setting (every flag but the seed): per optimizer its
@@ -53,6 +60,7 @@ from examples.llama import rundir
 
 __all__ = [
     "best_settings",
+    "confirmation_runs",
     "expand",
     "load_config",
     "load_records",
@@ -219,22 +227,55 @@ def _study_settings(config: dict, output: Optional[str], run_root: Optional[str]
     return study
 
 
+def confirmation_runs(config: dict, records: Iterable[dict]) -> list[dict]:
+    """The runs that repeat each optimizer's best tuned setting with ``[study] confirm_seeds``.
+
+    Per optimizer and task, once every grid run of it is in `records`, its best
+    run by final validation loss (a diverged run counts as infinite) is run
+    again with each confirmation seed. [] without ``confirm_seeds``.
+    """
+    seeds = config.get("study", {}).get("confirm_seeds", [])
+    done = {r["key"]: r for r in records if "error" not in r}
+    groups: dict = {}
+    for run in expand(config) if seeds else []:
+        groups.setdefault((run["name"], _task(run["flags"])), []).append(run)
+    out = []
+    for runs in groups.values():
+        if all(run_key(r) in done for r in runs):
+            best = min(runs, key=lambda r: (_loss(done[run_key(r)]["final_val_loss"]), run_key(r)))
+            out += [{"name": best["name"], "flags": {**best["flags"], "seed": seed}} for seed in seeds]
+    return out
+
+
+def _todo(runs: list[dict], records: list[dict], only: Optional[Sequence[str]]) -> list[dict]:
+    done = {r["key"] for r in records}
+    return [r for r in runs if run_key(r) not in done and (not only or r["name"] in only)]
+
+
 def run_grid(config: dict, output: Optional[str] = None, run_root: Optional[str] = None,
              max_runs: Optional[int] = None, only: Optional[Sequence[str]] = None, log=print) -> list[dict]:  # fmt: skip
-    """Runs the study's runs not yet in its JSONL (at most `max_runs`, of the optimizers `only`); returns the new records."""
+    """Runs the study's runs not yet in its JSONL (at most `max_runs`, of the optimizers `only`); returns the new records.
+
+    The grid's runs go first, then the confirmation runs (`confirmation_runs`) of
+    the optimizers whose grid is finished.
+    """
     study, actions = _study_settings(config, output, run_root), _train_actions()
-    done = {r["key"] for r in load_records(study["output"])}
-    todo = [r for r in expand(config) if run_key(r) not in done and (not only or r["name"] in only)][:max_runs]
-    log(f"{study['name']}: {len(done)} runs done, {len(todo)} to run -> {study['output']}")
+    records = load_records(study["output"])
+    todo = _todo(expand(config), records, only) or _todo(confirmation_runs(config, records), records, only)
+    log(f"{study['name']}: {len(records)} runs done, {len(todo)} to run now -> {study['output']}")
     os.makedirs(os.path.dirname(os.path.abspath(study["output"])), exist_ok=True)
-    new = []
-    for i, run in enumerate(todo, 1):
+    new: list[dict] = []
+    while todo and (max_runs is None or len(new) < max_runs):
+        run = todo.pop(0)
         record = run_one(study, run, actions)
         with open(study["output"], "a") as fh:
             fh.write(json.dumps(record) + "\n")
         new.append(record)
-        log(f"[{i}/{len(todo)}] {run['name']} {_describe_flags(run['flags'])}: val {record['final_val_loss']} "
-            f"in {record['wall_s']:.0f} s")  # fmt: skip
+        log(f"[{len(new)}] {run['name']} {_describe_flags(run['flags'])}: val {record['final_val_loss']} "
+            f"in {record['wall_s']:.0f} s ({len(todo)} left)")  # fmt: skip
+        if not todo:  # the grid is done (or this share of it): its best settings' other seeds
+            records = load_records(study["output"])
+            todo = _todo(confirmation_runs(config, records), records, only)
     return new
 
 
@@ -450,9 +491,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.dry_run:
         done = {r["key"] for r in load_records(study["output"])}
         runs = expand(config)
+        runs += [r for r in confirmation_runs(config, load_records(study["output"])) if r not in runs]
         for run in runs:
             print(("done " if run_key(run) in done else "todo ") + f"{run['name']} {_describe_flags(run['flags'])}")
-        print(f"{len(runs)} runs, {sum(run_key(r) in done for r in runs)} done")
+        print(f"{len(runs)} runs, {sum(run_key(r) in done for r in runs)} done"
+              + (" (confirmation runs appear once their optimizer's grid is done)" if config.get("study", {}).get("confirm_seeds") else ""))
         return
     if not args.report:
         run_grid(config, study["output"], study["run_root"], args.max_runs, args.only, log=lambda s: print(s, flush=True))
