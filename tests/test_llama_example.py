@@ -133,13 +133,15 @@ def test_modular_adamw_scales_matrix_updates_by_alpha(one_layer):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a) * (alpha if l == "matrix" else 1.0), rtol=1e-6, atol=1e-12)
 
 
-def test_gwt_matches_gwt_adamw_on_matrices_with_scale_alpha_applied_once(one_layer):
+@pytest.mark.parametrize("detail_rule", ["auto", "zero", "norm_ratio"])
+def test_gwt_matches_gwt_adamw_on_matrices_with_scale_alpha_applied_once(one_layer, detail_rule):
     _, params, grads = one_layer
-    tx = optimizers.make_optimizer("gwt", params, lr=1e-2, alpha=0.25, steps=10, warmup_frac=0.0)
+    tx = optimizers.make_optimizer("gwt", params, lr=1e-2, alpha=0.25, steps=10, warmup_frac=0.0, detail_rule=detail_rule)
     upd, _ = jax.jit(tx.update)(grads, tx.init(params), params)
     labels = jax.tree.leaves(optimizers.param_labels(params))
     sched = optimizers.make_schedule(1e-2, 10, 0.0)
-    refs = {"matrix": optax_gwt.gwt_adamw(sched, scale=0.25, level=2), "other": optax.adamw(sched, eps=1e-6, weight_decay=0.0)}
+    refs = {"matrix": optax_gwt.gwt_adamw(sched, scale=0.25, level=2, detail_rule=detail_rule),
+            "other": optax.adamw(sched, eps=1e-6, weight_decay=0.0)}
     # One jitted first update per group, compiled once per shape.
     first_update = {label: jax.jit(lambda g, ref=ref: ref.update(g, ref.init(g), g)[0]) for label, ref in refs.items()}
     for g, u, l in zip(jax.tree.leaves(grads), jax.tree.leaves(upd), labels):

@@ -128,10 +128,11 @@ GWT_BASES = {
 
 
 def _gwt_on(base: optax.GradientTransformation, learning_rate: optax.ScalarOrSchedule, *, level: int, wavelet: str,
-            alpha: float, weight_decay: float) -> optax.GradientTransformation:
-    """`scale_by_gwt` on `base` (details by the norm ratio), decoupled weight decay, the learning rate."""
+            alpha: float, weight_decay: float, detail_rule: str) -> optax.GradientTransformation:
+    """`scale_by_gwt` on `base`, decoupled weight decay, the learning rate ("auto" details: the norm ratio)."""
+    rule = "norm_ratio" if detail_rule == "auto" else detail_rule
     return optax.chain(
-        optax_gwt.scale_by_gwt(base, level=level, wavelet=wavelet, scale=alpha, detail_rule="norm_ratio"),
+        optax_gwt.scale_by_gwt(base, level=level, wavelet=wavelet, scale=alpha, detail_rule=rule),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate),
     )
@@ -146,6 +147,7 @@ def make_optimizer(
     alpha: float = 0.25,
     level: int = 2,
     wavelet: str = "haar",
+    detail_rule: str = "auto",
     warmup_frac: float = 0.1,
     min_lr_ratio: float = 0.1,
     weight_decay: float = 0.0,
@@ -172,6 +174,9 @@ def make_optimizer(
       lr: peak learning rate (None: `DEFAULT_LR[name]`).
       steps: optimizer steps of the run (for the schedule).
       alpha: the matrices' learning-rate factor (GWT/GaLore ``scale``).
+      detail_rule: GWT's `optax_gwt.wavelet_inverse` detail rule; ``auto`` is
+        the reference (``adam``) for ``gwt``/``gwt-nobc`` and ``norm_ratio``
+        for the other bases.
       galore_rank: GaLore's rank; None picks the largest rank whose state is no
         bigger than GWT's at `level` (`galore_rank_matching`).
       galore_gap: steps between GaLore's SVD projector updates.
@@ -198,6 +203,7 @@ def make_optimizer(
             level=level,
             wavelet=wavelet,
             scale=alpha,
+            detail_rule=detail_rule,
             bias_correct_details=name == "gwt",
         )
     elif name == "galore":
@@ -208,7 +214,7 @@ def make_optimizer(
     else:  # gwt-<base>: the base on the approximation; its details scaled by the norm ratio
         make_base, ratio = GWT_BASES[name]
         matrix = _gwt_on(make_base(params), sched(lr * ratio), level=level, wavelet=wavelet, alpha=alpha,
-                         weight_decay=weight_decay)  # fmt: skip
+                         weight_decay=weight_decay, detail_rule=detail_rule)  # fmt: skip
     return optax.multi_transform({"matrix": matrix, "other": adamw(lr)}, param_labels)
 
 

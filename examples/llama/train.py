@@ -140,6 +140,8 @@ def _add_optimizer_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--alpha", type=float, default=0.25, help="the matrices' lr factor (GWT/GaLore scale)")
     g.add_argument("--level", type=int, default=2, help="GWT levels")
     g.add_argument("--wavelet", default="haar", help="GWT's wavelet (a PyWavelets name)")
+    g.add_argument("--detail-rule", default="auto", choices=optax_gwt.DETAIL_RULES,
+                   help="GWT's detail rule (optax_gwt.wavelet_inverse; auto: adam for Adam, else norm_ratio)")
     g.add_argument("--warmup-frac", type=float, default=0.1, help="linear warm-up, as a share of --steps")
     g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to this fraction of the peak")
     g.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay of the matrices")
@@ -234,6 +236,7 @@ def make_optimizer(args: argparse.Namespace, params: Any) -> optax.GradientTrans
         alpha=args.alpha,
         level=args.level,
         wavelet=args.wavelet,
+        detail_rule=getattr(args, "detail_rule", "auto"),  # absent from run directories written before the flag
         warmup_frac=args.warmup_frac,
         min_lr_ratio=args.min_lr_ratio,
         weight_decay=args.weight_decay,
