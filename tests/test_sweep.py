@@ -85,16 +85,22 @@ def test_report_best_setting_spread_and_edge_flag(tmp_path):
     path = tmp_path / "study.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"cut sh')  # a line cut short is skipped
     text = sweep.write_report(str(path), plots=False)
-    assert "lr at the high edge" in text and "| adamw | 0.01 |" in text
+    assert "lr at the high edge" in text and "| adamw | 0.01 |" in text and "Across tasks" not in text
+    # Another study's runs of another task join the report; --only keeps the named optimizers.
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps(_record("adamw", 1e-2, seed, 2.0, steps=200)) + "\n" for seed in range(3)))
+    text = sweep.write_report(str(path), str(tmp_path / "both"), plots=False, include=[str(other)], only=["adamw"])
+    assert "| gwt |" not in text and "## Across tasks" in text
+    assert "| adamw | 2.5000 ± 0.0200 (3) | 2.0000 ± 0.0000 (3) |" in text
 
 
-@pytest.mark.parametrize("name", ["default", "seqlen", "levels", "bases", "smoke"])
+@pytest.mark.parametrize("name", ["default", "seqlen", "levels", "bases", "variants", "smoke"])
 def test_study_configs_expand(name):
     config = sweep.load_config(os.path.join(os.path.dirname(SMOKE), f"{name}.toml"))
     runs = sweep.expand(config)
     assert runs and len({sweep.run_key(r) for r in runs}) == len(runs)
-    seeds = {r["flags"]["seed"] for r in runs}
-    assert name == "smoke" or seeds == {0, 1, 2}  # at least 3 seeds for a ranking
+    seeds = {r["flags"]["seed"] for r in runs} | set(config["study"].get("confirm_seeds", []))
+    assert name != "default" or seeds == {0, 1, 2}  # the ranking study: 3 seeds
 
 
 def test_confirmation_seeds_repeat_the_best_tuned_setting(tmp_path, monkeypatch):

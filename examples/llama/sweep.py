@@ -413,7 +413,22 @@ def report_markdown(best: dict, agreement: dict, plots: dict) -> str:
             lines += ["", f"Ranking at half the steps {verdict} with the final one: "
                       f"{' < '.join(a['half'])} (half) vs {' < '.join(a['final'])} (final)."]  # fmt: skip
         lines += [""] + [f"![{kind}]({os.path.basename(p)})" for kind, p in plots.get(task, {}).items()] + [""]
-    return "\n".join(lines)
+    return "\n".join(lines + across_tasks(best))
+
+
+def across_tasks(best: dict) -> list[str]:
+    """A table of each optimizer's best mean loss (± std, seeds) per task: [] for a single task."""
+    if len(best) < 2:
+        return []
+    names = sorted({n for names in best.values() for n in names})
+    size = lambda t: tuple(next(iter(best[t].values()))["runs"][0]["flags"].get(k) or 0  # noqa: E731
+                           for k in ("seq_len", "steps", "batch_size"))
+    tasks = sorted(best, key=size)
+    cell = lambda b: "" if b is None else ("diverged" if not math.isfinite(b["mean"]) else  # noqa: E731
+                                           f"{b['mean']:.4f} ± {b['std']:.4f} ({b['n']})")
+    lines = ["## Across tasks", "", "| optimizer | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
+    lines += [f"| {n} | " + " | ".join(cell(best[t].get(n)) for t in tasks) + " |" for n in names]
+    return lines + [""]
 
 
 def _slug(task: str) -> str:
@@ -453,11 +468,17 @@ def _memory_plot(path: str, names: dict, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def write_report(records_path: str, out_dir: Optional[str] = None, plots: bool = True) -> str:
-    """Writes ``report.md`` (and the plots) for a study's JSONL; returns the Markdown."""
+def write_report(records_path: str, out_dir: Optional[str] = None, plots: bool = True,
+                 include: Sequence[str] = (), only: Optional[Sequence[str]] = None) -> str:  # fmt: skip
+    """Writes ``report.md`` (and the plots) for a study's JSONL; returns the Markdown.
+
+    `include`: other studies' JSONLs whose runs join the report (runs of the same
+    task are compared with each other); `only`: report just these optimizers.
+    """
     out_dir = out_dir or os.path.splitext(records_path)[0] + "-report"
     os.makedirs(out_dir, exist_ok=True)
-    best = best_settings(load_records(records_path))
+    records = [r for path in (records_path, *include) for r in load_records(path)]
+    best = best_settings(r for r in records if not only or r["name"] in only)
     paths = {task: plot_task(task, names, out_dir) for task, names in best.items()} if plots else {}
     text = report_markdown(best, ranking_agreement(best), paths)
     with open(os.path.join(out_dir, "report.md"), "w") as fh:
@@ -478,9 +499,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-root", default=None, help="where run directories go (default: study.run_root)")
     p.add_argument("--report", action="store_true", help="only write the report of the JSONL's runs")
     p.add_argument("--report-dir", default=None, help="default: <output without .jsonl>-report/")
+    p.add_argument("--include", nargs="+", default=(), metavar="JSONL",
+                   help="other studies' JSONLs whose runs join the report (e.g. the default study's)")
     p.add_argument("--dry-run", action="store_true", help="list the runs (done or not) and exit")
     p.add_argument("--max-runs", type=int, default=None, help="run at most this many of the runs left")
-    p.add_argument("--only", nargs="+", default=None, metavar="NAME", help="run only these optimizers' runs")
+    p.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                   help="run (and report) only these optimizers' runs")
     return p
 
 
@@ -499,7 +523,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return
     if not args.report:
         run_grid(config, study["output"], study["run_root"], args.max_runs, args.only, log=lambda s: print(s, flush=True))
-    print(write_report(study["output"], args.report_dir))
+    print(write_report(study["output"], args.report_dir, include=args.include, only=args.only))
 
 
 if __name__ == "__main__":
