@@ -132,3 +132,22 @@ def test_confirmation_seeds_repeat_the_best_tuned_setting(tmp_path, monkeypatch)
     best = sweep.best_settings(sweep.load_records(out))
     # only the three-seed settings are candidates
     assert {n: (b["flags"]["lr"], b["n"]) for n, b in next(iter(best.values())).items()} == {"adamw": (1e-2, 3), "gwt": (1e-1, 3)}
+
+
+def test_report_block_in_a_readme(tmp_path):
+    records = [_record("adamw", lr, seed, loss) for seed in range(3) for lr, loss in ((1e-3, 3.0), (1e-2, 2.5), (1e-1, 2.8))]
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = tmp_path / "s.toml"
+    config.write_text(f'[study]\nname = "s"\noutput = "{tmp_path / "s.jsonl"}"\n')
+    readme = tmp_path / "README.md"
+    start, end = sweep.readme_markers(str(tmp_path / "s-report"))
+    readme.write_text(f"# Title\n\nbefore\n{start}\nold\n{end}\nafter\n")
+    sweep.main(["--config", str(config), "--report", "--readme", str(readme)])
+    text = readme.read_text()
+    assert "old" not in text and text.startswith("# Title\n\nbefore\n") and text.endswith(f"{end}\nafter\n")
+    block = text.split(start)[1].split(end)[0]
+    assert "python -m examples.llama.sweep --config" in block and "--report --readme" in block
+    assert "#### 9m seq 64 x 8, 100 steps" in block and "| adamw | 0.01 |" in block
+    assert "](s-report/9m-seq-64-x-8-100-steps-steps.png)" in block  # images found from the README
+    with pytest.raises(SystemExit, match="no block"):
+        sweep.main(["--config", str(config), "--report", "--readme", str(tmp_path / "s.toml")])

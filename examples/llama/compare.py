@@ -173,16 +173,9 @@ def markers(directory: str) -> tuple[str, str]:
 
 def update_readme(readme: str, directory: str, report: dict) -> None:
     """Rewrites the block between `markers(directory)` in `readme`: provenance, table, plot."""
-    start, end = markers(directory)
-    with open(readme) as fh:
-        doc = fh.read()
-    if start not in doc or end not in doc:
-        raise SystemExit(f"{readme} has no results block for {directory}; add the two lines\n{start}\n{end}")
     image = os.path.relpath(os.path.join(directory, PLOT), os.path.dirname(os.path.abspath(readme)))
     block = f"{provenance(report)}\n{table(report['runs'])}\n![validation loss vs tokens]({image})\n"
-    head, rest = doc.split(start, 1)
-    with open(readme, "w") as fh:
-        fh.write(head + start + "\n" + block + end + rest.split(end, 1)[1])
+    rundir.replace_block(readme, *markers(directory), block)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

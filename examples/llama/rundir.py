@@ -42,6 +42,7 @@ __all__ = [
     "plot_losses",
     "read_config",
     "read_metrics",
+    "replace_block",
     "save_line_plot",
     "timestamp",
     "write_json",
@@ -196,3 +197,14 @@ def format_summary(summary: dict) -> str:
 def command_line(module: str, argv: Sequence[str]) -> str:
     """The shell command that runs `module` with `argv`."""
     return shlex.join(["python", "-m", module, *argv])
+
+
+def replace_block(path: str, start: str, end: str, block: str) -> None:
+    """Rewrites the text of file `path` between the lines `start` and `end` (kept) with `block`."""
+    with open(path) as fh:
+        doc = fh.read()
+    if start not in doc or end not in doc:
+        raise SystemExit(f"{path} has no block for this; add the two lines\n{start}\n{end}")
+    head, rest = doc.split(start, 1)
+    with open(path, "w") as fh:
+        fh.write(head + start + "\n" + block.rstrip("\n") + "\n" + end + rest.split(end, 1)[1])

@@ -468,6 +468,26 @@ def _memory_plot(path: str, names: dict, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def readme_markers(report_dir: str) -> tuple[str, str]:
+    """The README lines around the block of the report in `report_dir`."""
+    key = os.path.normpath(report_dir)
+    return f"<!-- study-report {key}:start -->", f"<!-- study-report {key}:end -->"
+
+
+def readme_block(text: str, report_dir: str, readme: str, command: str) -> str:
+    """The report's Markdown for `readme`: the command first, headings two levels down, image paths from `readme`."""
+    where = os.path.relpath(report_dir, os.path.dirname(os.path.abspath(readme)))
+    lines = [f"Written by `{command}` from the committed JSONL(s)."]
+    for line in text.splitlines()[1:]:  # the report's title goes
+        if line.startswith("#"):
+            line = "##" + line
+        elif line.startswith("![") and "](" in line:
+            label, name = line[:-1].split("](", 1)
+            line = f"{label}]({where}/{name})"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def write_report(records_path: str, out_dir: Optional[str] = None, plots: bool = True,
                  include: Sequence[str] = (), only: Optional[Sequence[str]] = None) -> str:  # fmt: skip
     """Writes ``report.md`` (and the plots) for a study's JSONL; returns the Markdown.
@@ -499,6 +519,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-root", default=None, help="where run directories go (default: study.run_root)")
     p.add_argument("--report", action="store_true", help="only write the report of the JSONL's runs")
     p.add_argument("--report-dir", default=None, help="default: <output without .jsonl>-report/")
+    p.add_argument("--readme", default=None, metavar="FILE",
+                   help="also write the report into FILE between its study-report markers (see readme_markers)")
     p.add_argument("--include", nargs="+", default=(), metavar="JSONL",
                    help="other studies' JSONLs whose runs join the report (e.g. the default study's)")
     p.add_argument("--dry-run", action="store_true", help="list the runs (done or not) and exit")
@@ -506,6 +528,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", nargs="+", default=None, metavar="NAME",
                    help="run (and report) only these optimizers' runs")
     return p
+
+
+def _report_command(args: argparse.Namespace) -> str:
+    """The command that rewrites this report and its README block."""
+    argv = ["--config", args.config, "--report"]
+    for flag, value in (("--output", args.output), ("--report-dir", args.report_dir), ("--readme", args.readme)):
+        argv += [flag, value] if value else []
+    for flag, values in (("--include", args.include), ("--only", args.only)):
+        argv += [flag, *values] if values else []
+    return rundir.command_line("examples.llama.sweep", argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -523,7 +555,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return
     if not args.report:
         run_grid(config, study["output"], study["run_root"], args.max_runs, args.only, log=lambda s: print(s, flush=True))
-    print(write_report(study["output"], args.report_dir, include=args.include, only=args.only))
+    report_dir = args.report_dir or os.path.splitext(study["output"])[0] + "-report"
+    text = write_report(study["output"], report_dir, include=args.include, only=args.only)
+    print(text)
+    if args.readme:
+        rundir.replace_block(args.readme, *readme_markers(report_dir),
+                             readme_block(text, report_dir, args.readme, _report_command(args)))
+        print(f"updated the study-report block of {args.readme}")
 
 
 if __name__ == "__main__":
