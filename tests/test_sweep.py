@@ -151,3 +151,17 @@ def test_report_block_in_a_readme(tmp_path):
     assert "](s-report/9m-seq-64-x-8-100-steps-steps.png)" in block  # images found from the README
     with pytest.raises(SystemExit, match="no block"):
         sweep.main(["--config", str(config), "--report", "--readme", str(tmp_path / "s.toml")])
+
+
+def test_ranking_agreement_and_rank_correlation():
+    def rec(name, half, final):
+        r = _record(name, 1e-2, 0, final)
+        r["val_curve"][0]["val_loss"] = half
+        return r
+
+    same = sweep.best_settings([rec("a", 3.0, 2.0), rec("b", 3.1, 2.1), rec("c", 3.2, 2.2)])
+    (a,) = sweep.ranking_agreement(same).values()
+    assert a["agree"] and a["spearman"] == pytest.approx(1.0)
+    reversed_ = sweep.best_settings([rec("a", 3.2, 2.0), rec("b", 3.1, 2.1), rec("c", 3.0, 2.2)])
+    (a,) = sweep.ranking_agreement(reversed_).values()
+    assert not a["agree"] and a["half"] == ["c", "b", "a"] and a["spearman"] == pytest.approx(-1.0)

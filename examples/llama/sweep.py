@@ -368,7 +368,11 @@ def _curve(runs: list[dict]) -> tuple[list, list, list]:
 
 
 def ranking_agreement(best: dict) -> dict:
-    """Per task: the optimizers ranked by best mean loss at the evaluation nearest half the steps, and at the end."""
+    """Per task: the optimizers ranked by best mean loss at the evaluation nearest half the steps and at the end.
+
+    Returns ``{task: {"half", "final", "agree", "spearman"}}``: the two rankings, whether
+    they are the same, and Spearman's rank correlation between them (1: same order).
+    """
     out = {}
     for task, names in best.items():
         final, half = {}, {}
@@ -379,7 +383,9 @@ def ranking_agreement(best: dict) -> dict:
             final[name] = losses[-1]
             half[name] = losses[int(np.argmin([abs(s - steps[-1] / 2) for s in steps]))]
         rank = lambda d: sorted(d, key=lambda n: (d[n], n))  # noqa: E731
-        out[task] = {"half": rank(half), "final": rank(final), "agree": rank(half) == rank(final)}
+        h, f = rank(half), rank(final)
+        spearman = float(np.corrcoef([h.index(n) for n in f], range(len(f)))[0, 1]) if len(f) > 2 else 1.0
+        out[task] = {"half": h, "final": f, "agree": h == f, "spearman": spearman}
     return out
 
 
@@ -410,8 +416,8 @@ def report_markdown(best: dict, agreement: dict, plots: dict) -> str:
         a = agreement.get(task)
         if a:
             verdict = "agrees" if a["agree"] else "does NOT agree"
-            lines += ["", f"Ranking at half the steps {verdict} with the final one: "
-                      f"{' < '.join(a['half'])} (half) vs {' < '.join(a['final'])} (final)."]  # fmt: skip
+            lines += ["", f"Ranking at half the steps {verdict} with the final one (Spearman's rank correlation "
+                      f"{a['spearman']:.2f}): {' < '.join(a['half'])} (half) vs {' < '.join(a['final'])} (final)."]  # fmt: skip
         lines += [""] + [f"![{kind}]({os.path.basename(p)})" for kind, p in plots.get(task, {}).items()] + [""]
     return "\n".join(lines + across_tasks(best))
 
