@@ -165,3 +165,5 @@ def test_ranking_agreement_and_rank_correlation():
     reversed_ = sweep.best_settings([rec("a", 3.2, 2.0), rec("b", 3.1, 2.1), rec("c", 3.0, 2.2)])
     (a,) = sweep.ranking_agreement(reversed_).values()
     assert not a["agree"] and a["half"] == ["c", "b", "a"] and a["spearman"] == pytest.approx(-1.0)
+    (a,) = sweep.ranking_agreement(sweep.best_settings([rec("a", 3.2, 2.0), rec("b", 3.1, 2.1)])).values()
+    assert not a["agree"] and a["spearman"] == pytest.approx(-1.0)  # two optimizers, swapped

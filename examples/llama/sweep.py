@@ -384,7 +384,7 @@ def ranking_agreement(best: dict) -> dict:
             half[name] = losses[int(np.argmin([abs(s - steps[-1] / 2) for s in steps]))]
         rank = lambda d: sorted(d, key=lambda n: (d[n], n))  # noqa: E731
         h, f = rank(half), rank(final)
-        spearman = float(np.corrcoef([h.index(n) for n in f], range(len(f)))[0, 1]) if len(f) > 2 else 1.0
+        spearman = float(np.corrcoef([h.index(n) for n in f], range(len(f)))[0, 1]) if len(f) > 1 else 1.0
         out[task] = {"half": h, "final": f, "agree": h == f, "spearman": spearman}
     return out
 
