@@ -494,6 +494,11 @@ def readme_block(text: str, report_dir: str, readme: str, command: str) -> str:
     return "\n".join(lines)
 
 
+def default_report_dir(records_path: str) -> str:
+    """Where a study's report goes unless told: ``<jsonl without .jsonl>-report/``."""
+    return os.path.splitext(records_path)[0] + "-report"
+
+
 def write_report(records_path: str, out_dir: Optional[str] = None, plots: bool = True,
                  include: Sequence[str] = (), only: Optional[Sequence[str]] = None) -> str:  # fmt: skip
     """Writes ``report.md`` (and the plots) for a study's JSONL; returns the Markdown.
@@ -501,7 +506,7 @@ def write_report(records_path: str, out_dir: Optional[str] = None, plots: bool =
     `include`: other studies' JSONLs whose runs join the report (runs of the same
     task are compared with each other); `only`: report just these optimizers.
     """
-    out_dir = out_dir or os.path.splitext(records_path)[0] + "-report"
+    out_dir = out_dir or default_report_dir(records_path)
     os.makedirs(out_dir, exist_ok=True)
     records = [r for path in (records_path, *include) for r in load_records(path)]
     best = best_settings(r for r in records if not only or r["name"] in only)
@@ -551,9 +556,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     config = load_config(args.config)
     study = _study_settings(config, args.output, args.run_root)
     if args.dry_run:
-        done = {r["key"] for r in load_records(study["output"])}
+        records = load_records(study["output"])
+        done = {r["key"] for r in records}
         runs = expand(config)
-        runs += [r for r in confirmation_runs(config, load_records(study["output"])) if r not in runs]
+        runs += [r for r in confirmation_runs(config, records) if r not in runs]
         for run in runs:
             print(("done " if run_key(run) in done else "todo ") + f"{run['name']} {_describe_flags(run['flags'])}")
         print(f"{len(runs)} runs, {sum(run_key(r) in done for r in runs)} done"
@@ -561,7 +567,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return
     if not args.report:
         run_grid(config, study["output"], study["run_root"], args.max_runs, args.only, log=lambda s: print(s, flush=True))
-    report_dir = args.report_dir or os.path.splitext(study["output"])[0] + "-report"
+    report_dir = args.report_dir or default_report_dir(study["output"])
     text = write_report(study["output"], report_dir, include=args.include, only=args.only)
     print(text)
     if args.readme:

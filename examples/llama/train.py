@@ -236,7 +236,7 @@ def make_optimizer(args: argparse.Namespace, params: Any) -> optax.GradientTrans
         alpha=args.alpha,
         level=args.level,
         wavelet=args.wavelet,
-        detail_rule=getattr(args, "detail_rule", "auto"),  # absent from run directories written before the flag
+        detail_rule=args.detail_rule,
         warmup_frac=args.warmup_frac,
         min_lr_ratio=args.min_lr_ratio,
         weight_decay=args.weight_decay,
