@@ -1,5 +1,19 @@
-import jax
-import pytest
+import os
+import shutil
+import tempfile
+
+# One XLA compilation cache per test run, shared by the pytest-xdist workers and the
+# tests' subprocesses, which inherit the variables: a program compiled once in a run
+# (an eager op, a train step that a test builds again) is read back, not compiled
+# again. It starts empty, lives in a temporary folder and is removed at the end
+# (a cache the user set up in JAX_COMPILATION_CACHE_DIR is used as it is).
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="optax-gwt-tests-xla-cache-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+
+import jax  # noqa: E402  (reads the variables above when imported)
+import pytest  # noqa: E402
 
 
 @pytest.fixture
@@ -21,3 +35,8 @@ def pytest_collection_modifyitems(config, items):
         if key in seen:
             item.add_marker(pytest.mark.slow)
         seen.add(key)
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)

@@ -20,6 +20,8 @@ from optax_gwt.sharding import per_device_bytes, state_partition_specs, state_sh
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
+sys.path.insert(0, str(TESTS))
+import sharded_train  # noqa: E402
 MESH = AbstractMesh((2, 4), ("data", "fsdp"))
 PARAMS = {
     "dense": {"kernel": jax.ShapeDtypeStruct((64, 32), jnp.float32), "bias": jax.ShapeDtypeStruct((32,), jnp.float32)},
@@ -139,8 +141,12 @@ def _run(args, devices=None, timeout=300):
 
 
 def _train(tmp_path, name, devices, *args):
+    """tests/sharded_train.py on `devices` simulated devices in a subprocess; None: one device, here."""
     out = tmp_path / f"{name}.json"
-    _run([str(TESTS / "sharded_train.py"), *args, "--losses", str(out)], devices=devices)
+    if devices is None:
+        sharded_train.main([*args, "--losses", str(out)])
+    else:
+        _run([str(TESTS / "sharded_train.py"), *args, "--losses", str(out)], devices=devices)
     return json.loads(out.read_text())
 
 
@@ -189,9 +195,6 @@ def _assert_same_run(run, reference):
     block's mean gradient is near zero (see multidevice_checks).
     """
     np.testing.assert_allclose(run["losses"], reference["losses"][: len(run["losses"])], rtol=1e-4)
-    sys.path.insert(0, str(TESTS))
-    import sharded_train
-
     start = sharded_train.init_params(jax.random.PRNGKey(0))
     for k, e in reference["params"].items():
         e = np.asarray(e)
@@ -223,17 +226,14 @@ def test_two_processes_then_orbax_across_meshes(tmp_path, uninterrupted):
 @pytest.mark.slow
 def test_llama_example_with_mesh_and_two_processes(tmp_path):
     """examples.llama.train: the mesh data=2,fsdp=4 over two processes (jax.distributed, 4 devices each)
-    logs the losses of one process with 8 devices (which tests/multidevice_checks ties to one device)."""
-    common = ["-m", "examples.llama.train", "--model", "num_layers=1", "--seq-len", "32", "--batch-size", "8",
-              "--eval-batches", "1", "--no-progress", "--optimizer", "gwt", "--steps", "3", "--eval-every", "3"]
+    logs the losses of the same run on one device (in this process), to float32 summation order."""
+    from examples.llama import train
 
-    def losses(name):
-        return [json.loads(line)["loss"] for line in (tmp_path / name).read_text().splitlines()]
-
-    _run([*common, "--mesh", "data=2,fsdp=4", "--metrics", str(tmp_path / "mesh.jsonl"),
-          "--run-dir", str(tmp_path / "mesh")], devices=8)
-    _run_two_processes([*common, "--mesh", "data=2,fsdp=4", "--metrics", str(tmp_path / "two.jsonl"),
-                        "--run-dir", str(tmp_path / "two")], devices_each=4)
-    one = losses("mesh.jsonl")
+    flags = ["--model", "num_layers=1", "--seq-len", "32", "--batch-size", "8", "--eval-batches", "1",
+             "--no-progress", "--optimizer", "gwt", "--steps", "3", "--eval-every", "3"]
+    one = [r["loss"] for r in train.run(train.parse_args([*flags, "--run-dir", str(tmp_path / "one"), "--quiet"]))["history"]]
+    _run_two_processes(["-m", "examples.llama.train", *flags, "--mesh", "data=2,fsdp=4",
+                        "--metrics", str(tmp_path / "two.jsonl"), "--run-dir", str(tmp_path / "two")], devices_each=4)
+    two = [json.loads(line)["loss"] for line in (tmp_path / "two.jsonl").read_text().splitlines()]
     assert len(one) == 3
-    np.testing.assert_allclose(losses("two.jsonl"), one, rtol=1e-5)
+    np.testing.assert_allclose(two, one, rtol=1e-5)
