@@ -262,21 +262,31 @@ EXPLICIT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("shape, spec, kw", EXPLICIT_CASES)
-@pytest.mark.parametrize("use_helper", [False, True], ids=["inferred", "state_shardings"])
-def test_explicit_mesh_transform_axis_sharded_or_not(shape, spec, kw, use_helper):
-    """Under ``jax.set_mesh`` of explicit axes, 3 updates equal one device's (rtol 1e-5) and keep
-    the gradient's sharding, whether or not the transform axis is sharded, with the state's
-    shardings inferred by jit or given by `state_shardings`."""
-    mesh = mesh_of({"data": 2, "fsdp": 4}, AxisType.Explicit)
+@functools.lru_cache(maxsize=None)
+def explicit_case_on_one_device(case: int):
+    """The case's GWT, params, 3 gradients and their updates on one device (cached: both
+    parametrizations of a case compare with the same reference)."""
+    shape, _, kw = EXPLICIT_CASES[case]
     rng = np.random.default_rng(0)
     params = {"w": jnp.asarray(rng.standard_normal(shape), jnp.float32)}
     grads = [{"w": jnp.asarray(rng.standard_normal(shape), jnp.float32)} for _ in range(3)]
     tx = optax_gwt.gwt_adamw(1e-2, **kw)
-    state, single = tx.init(params), []
+    state, single, update = tx.init(params), [], jax.jit(tx.update)
     for g in grads:
-        u, state = jax.jit(tx.update)(g, state, params)
+        u, state = update(g, state, params)
         single.append(u["w"])
+    return tx, params, grads, single
+
+
+@pytest.mark.parametrize("case", range(len(EXPLICIT_CASES)))
+@pytest.mark.parametrize("use_helper", [False, True], ids=["inferred", "state_shardings"])
+def test_explicit_mesh_transform_axis_sharded_or_not(case, use_helper):
+    """Under ``jax.set_mesh`` of explicit axes, 3 updates equal one device's (rtol 1e-5) and keep
+    the gradient's sharding, whether or not the transform axis is sharded, with the state's
+    shardings inferred by jit or given by `state_shardings`."""
+    mesh = mesh_of({"data": 2, "fsdp": 4}, AxisType.Explicit)
+    spec = EXPLICIT_CASES[case][1]
+    tx, params, grads, single = explicit_case_on_one_device(case)
     with jax.set_mesh(mesh):
         sp = {"w": NamedSharding(mesh, spec)}
         ps = jax.device_put(params, sp)
