@@ -67,7 +67,10 @@ def main() -> None:
 
     def step_for(update):
         def step(ps, gs, ms, vs, ls):
-            return [(p - LR * 0.25 * update(g, m, v, ls[i])) * (1 - LR * WD) for i, (p, g, m, v) in enumerate(zip(ps, gs, ms, vs))]
+            return [
+                (p - LR * 0.25 * update(g, m, v, ls[i])) * (1 - LR * WD)
+                for i, (p, g, m, v) in enumerate(zip(ps, gs, ms, vs))
+            ]
 
         return jax.jit(step, donate_argnums=(0,))
 
@@ -81,7 +84,7 @@ def main() -> None:
         state[name] = compiled(state[name], grads, mus, nus, lams)
     names = list(runs)
     for r in range(9):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             compiled, times = runs[name]
             ps = state[name]
             t0 = time.perf_counter()
@@ -91,7 +94,9 @@ def main() -> None:
             times.append((time.perf_counter() - t0) / 5)
             state[name] = ps
     base = statistics.median(runs[names[0]][1])
-    print(f"LLaMA-60M attention+MLP kernels, {sum(p.size for p in leaves) / 1e6:.1f}M params, median of 9 alternating rounds")
+    print(
+        f"LLaMA-60M attention+MLP kernels, {sum(p.size for p in leaves) / 1e6:.1f}M params, median of 9 alternating rounds"
+    )
     for name in names:
         t = statistics.median(runs[name][1])
         print(f"  {name:28s} {t * 1e3:6.2f} ms  {t / base:5.2f} of the full pass   temp {temps[name] / 2**10:6.1f} KiB")

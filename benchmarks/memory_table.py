@@ -79,7 +79,9 @@ def table(config: dict = LLAMA_1B, devices: Sequence[int] = DEVICES) -> dict:
         specs = fsdp_specs(params, n)
         for name, opt in optimizers(specs).items():
             state = jax.eval_shape(opt.init, params)
-            rows.setdefault(name, {})[n] = per_device_bytes(state, state_partition_specs(opt, params, specs, mesh), mesh)
+            rows.setdefault(name, {})[n] = per_device_bytes(
+                state, state_partition_specs(opt, params, specs, mesh), mesh
+            )
     return rows
 
 

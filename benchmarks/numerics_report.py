@@ -93,6 +93,7 @@ def bf16_nu_drift(steps=(100, 1000, 5000)) -> list[str]:
     for n in steps:
         nus = {}
         for d, opt in adam.items():
+
             def body(state, k):
                 _, state = opt.update(jax.random.normal(k, (4096,)), state)
                 return state, None
@@ -105,8 +106,15 @@ def bf16_nu_drift(steps=(100, 1000, 5000)) -> list[str]:
 
 def state_bytes_table() -> list[str]:
     hidden, inter, layers = 512, 1376, 8
-    shapes = {"q": (hidden, hidden), "k": (hidden, hidden), "v": (hidden, hidden), "o": (hidden, hidden),
-              "gate": (hidden, inter), "up": (hidden, inter), "down": (inter, hidden)}
+    shapes = {
+        "q": (hidden, hidden),
+        "k": (hidden, hidden),
+        "v": (hidden, hidden),
+        "o": (hidden, hidden),
+        "gate": (hidden, inter),
+        "up": (hidden, inter),
+        "down": (inter, hidden),
+    }
 
     def params(dtype):
         return {f"layer{i}": {k: jax.ShapeDtypeStruct(s, dtype) for k, s in shapes.items()} for i in range(layers)}
@@ -118,11 +126,17 @@ def state_bytes_table() -> list[str]:
         ("AdamW, mu bfloat16 (float32)", optax.adamw(1e-3, mu_dtype=jnp.bfloat16), jnp.float32),
         ("GWT level 2 (float32)", optax_gwt.gwt_adamw(1e-3, level=2), jnp.float32),
         ("GWT level 2, mu bfloat16 (float32)", optax_gwt.gwt_adamw(1e-3, level=2, mu_dtype=jnp.bfloat16), jnp.float32),
-        ("GWT level 2, mu + nu bfloat16 (float32)",
-         optax_gwt.gwt_adamw(1e-3, level=2, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16), jnp.float32),
+        (
+            "GWT level 2, mu + nu bfloat16 (float32)",
+            optax_gwt.gwt_adamw(1e-3, level=2, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
+            jnp.float32,
+        ),
         ("GWT level 2 (bfloat16)", optax_gwt.gwt_adamw(1e-3, level=2), jnp.bfloat16),
-        ("GWT level 3, mu + nu bfloat16 (float32)",
-         optax_gwt.gwt_adamw(1e-3, level=3, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16), jnp.float32),
+        (
+            "GWT level 3, mu + nu bfloat16 (float32)",
+            optax_gwt.gwt_adamw(1e-3, level=3, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
+            jnp.float32,
+        ),
     ]
     for name, opt, dtype in setups:
         b = optax_gwt.optimizer_state_bytes(opt, params(dtype)).total

@@ -201,7 +201,9 @@ def shape_study(rounds: int, inner: int) -> list[dict]:
                 "temp_bytes": g["step_memory"]["temp_bytes"],
             }
         )
-        print(f"  {label:42s} step {g['step_ratio']:.2f}x adamw  ({out[-1]['bytes_per_param']:.1f} B/param)", flush=True)
+        print(
+            f"  {label:42s} step {g['step_ratio']:.2f}x adamw  ({out[-1]['bytes_per_param']:.1f} B/param)", flush=True
+        )
     return out
 
 
@@ -244,7 +246,11 @@ def verdict(model_results: dict) -> list[str]:
             f"{model} [{res['scope']}]: GWT-2 train step {g['step_ratio']:.2f}x AdamW "
             f"({'meets' if ok_speed else 'MISSES'} <= {TARGET_RATIO}x); "
             + (f"XLA alone {opts['gwt2-xla']['step_ratio']:.2f}x; " if "gwt2-xla" in opts else "")
-            + (f"GaLore {opts['galore']['step_ratio']:.2f}x ({'not slower' if ok_galore else 'GWT-2 SLOWER'}); " if "galore" in opts else "")
+            + (
+                f"GaLore {opts['galore']['step_ratio']:.2f}x ({'not slower' if ok_galore else 'GWT-2 SLOWER'}); "
+                if "galore" in opts
+                else ""
+            )
             + f"update temp {g['update_memory']['temp_bytes'] / 2**20:.2f} MiB vs AdamW "
             f"{a['update_memory']['temp_bytes'] / 2**20:.2f} MiB ({'ok' if ok_update_temp else 'MORE'}); "
             f"train step temp {g['step_memory']['temp_bytes'] / 2**10:.1f} KiB vs AdamW "
@@ -327,14 +333,22 @@ def main(argv=None):
     default_models = "60m,130m" if jax.default_backend() == "cpu" else "60m,130m,350m,1b"
     parser.add_argument("--models", default=default_models, help=f"comma-separated, of {list(CONFIGS)}")
     parser.add_argument("--optimizers", default="adamw,gwt1,gwt2,gwt2-xla,gwt3,galore,adafactor")
-    parser.add_argument("--scope", default="model", choices=["model", "matrices", "both"],
-                        help="model: whole LLaMA params (others AdamW); matrices: attention+MLP kernels only")
+    parser.add_argument(
+        "--scope",
+        default="model",
+        choices=["model", "matrices", "both"],
+        help="model: whole LLaMA params (others AdamW); matrices: attention+MLP kernels only",
+    )
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--inner", type=int, default=2, help="steps per timed run")
     parser.add_argument("--no-shapes", action="store_true", help="skip the single-matrix shape study")
     parser.add_argument("--out", default="benchmarks/results/optimizer_step")
-    parser.add_argument("--readme", default=None, help="also put the Markdown between the performance-table markers of this file")
-    parser.add_argument("--render", default=None, metavar="JSON", help="only re-render a saved JSON report (to --readme)")
+    parser.add_argument(
+        "--readme", default=None, help="also put the Markdown between the performance-table markers of this file"
+    )
+    parser.add_argument(
+        "--render", default=None, metavar="JSON", help="only re-render a saved JSON report (to --readme)"
+    )
     args = parser.parse_args(argv)
     if args.render:
         report = json.loads(Path(args.render).read_text())

@@ -59,15 +59,33 @@ def measure(config: str, optimizer: str, batch: int, seq_len: int) -> dict:
         jax.block_until_ready(loss)
     measured = _status("VmHWM") - before
     expected_state = optax_gwt.optimizer_state_bytes(tx, params).total
-    return {"config": config, "optimizer": optimizer, "batch": batch, "seq_len": seq_len,
-            "estimate": estimate._asdict(), "measured_peak": measured, "optimizer_state_bytes": expected_state,
-            "ratio": estimate.total / measured}
+    return {
+        "config": config,
+        "optimizer": optimizer,
+        "batch": batch,
+        "seq_len": seq_len,
+        "estimate": estimate._asdict(),
+        "measured_peak": measured,
+        "optimizer_state_bytes": expected_state,
+        "ratio": estimate.total / measured,
+    }
 
 
 def run_case(config: str, optimizer: str, batch: int, seq_len: int) -> dict:
     """`measure` in a fresh subprocess (XLA path of GWT, one CPU device)."""
     env = {**os.environ, "OPTAX_GWT_CPU_KERNEL": "0", "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, "-m", "benchmarks.plan_check", "--one", config, optimizer, "--batch", str(batch), "--seq-len", str(seq_len)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.plan_check",
+        "--one",
+        config,
+        optimizer,
+        "--batch",
+        str(batch),
+        "--seq-len",
+        str(seq_len),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 

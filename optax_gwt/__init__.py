@@ -5,7 +5,14 @@ Training", arXiv 2501.07237.
 """
 
 from optax_gwt import cpu_kernel, haar, sharding, wavelets
-from optax_gwt.adam_mini import Blocks, ScaleByAdamMiniState, adam_mini_blocks, head_blocks, output_blocks, scale_by_adam_mini
+from optax_gwt.adam_mini import (
+    Blocks,
+    ScaleByAdamMiniState,
+    adam_mini_blocks,
+    head_blocks,
+    output_blocks,
+    scale_by_adam_mini,
+)
 from optax_gwt.adam import GWTBase, Preconditioner, adam_preconditioner, scale_by_reference_adam
 from optax_gwt.memory import StateBytes, optimizer_state_bytes
 from optax_gwt.projection import LeafSpec, WaveletCoefficients, WaveletProjection

@@ -100,11 +100,14 @@ def _scalar_dtype(tree: Any) -> np.dtype:
 def _adam_state(state: Any) -> Optional[optax.ScaleByAdamState]:
     """The one `optax.ScaleByAdamState` in a (nested) optimizer state, or None."""
     found = [
-        s for s in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+        s
+        for s in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
         if isinstance(s, optax.ScaleByAdamState)
     ]
     if len(found) > 1:
-        raise ValueError(f"adam_preconditioner: the base state holds {len(found)} Adam states; pass preconditioner= explicitly")
+        raise ValueError(
+            f"adam_preconditioner: the base state holds {len(found)} Adam states; pass preconditioner= explicitly"
+        )
     return found[0] if found else None
 
 

@@ -169,8 +169,10 @@ def _resolve(spec: Union[Blocks, Sequence[int], None], shape: tuple, path: tuple
         return Blocks(axes=axes)
     head_axis = blocks.head_axis % ndim
     if head_axis in axes or shape[head_axis] % blocks.heads:
-        raise ValueError(f"scale_by_adam_mini: {jax.tree_util.keystr(path)} of shape {shape}: cannot cut axis "
-                         f"{head_axis} into {blocks.heads} heads while averaging over axes {axes}")
+        raise ValueError(
+            f"scale_by_adam_mini: {jax.tree_util.keystr(path)} of shape {shape}: cannot cut axis "
+            f"{head_axis} into {blocks.heads} heads while averaging over axes {axes}"
+        )
     return Blocks(axes=axes, heads=blocks.heads, head_axis=head_axis)
 
 
@@ -179,7 +181,7 @@ def _split_shape(shape: tuple, blocks: Blocks) -> tuple:
     if blocks.heads <= 1:
         return tuple(shape)
     h = blocks.head_axis
-    return (*shape[:h], blocks.heads, shape[h] // blocks.heads, *shape[h + 1:])
+    return (*shape[:h], blocks.heads, shape[h] // blocks.heads, *shape[h + 1 :])
 
 
 def _reduce_axes(blocks: Blocks) -> tuple[int, ...]:

@@ -38,7 +38,10 @@ import numpy as np
 __all__ = ["available", "applies", "haar_adam_moments"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "haar_adam.cc"
-_TARGETS = {np.dtype(np.float32): "optax_gwt_haar_adam_moments_f32", np.dtype(np.float64): "optax_gwt_haar_adam_moments_f64"}
+_TARGETS = {
+    np.dtype(np.float32): "optax_gwt_haar_adam_moments_f32",
+    np.dtype(np.float64): "optax_gwt_haar_adam_moments_f64",
+}
 _SYMBOLS = {np.dtype(np.float32): "GwtHaarAdamMomentsF32", np.dtype(np.float64): "GwtHaarAdamMomentsF64"}
 
 
@@ -134,14 +137,14 @@ def haar_adam_moments(
         raise RuntimeError("optax_gwt.cpu_kernel is not available (see its module docstring); use the XLA path")
     dtype = jnp.dtype(g.dtype)
     if dtype not in _TARGETS or {jnp.dtype(mu.dtype), jnp.dtype(nu.dtype)} != {dtype}:
-        raise TypeError(f"haar_adam_moments: g, mu and nu must all be float32 or all float64, got {g.dtype}, {mu.dtype}, {nu.dtype}")
+        raise TypeError(
+            f"haar_adam_moments: g, mu and nu must all be float32 or all float64, got {g.dtype}, {mu.dtype}, {nu.dtype}"
+        )
     n = g.shape[axis]
     outer = math.prod(g.shape[:axis])
     inner = math.prod(g.shape[axis + 1 :])
     # ``1 - b`` before the cast, as the XLA path computes it (in Python for a float).
-    coefficients = jnp.stack(
-        [jnp.asarray(c, dtype) for c in (1 - b1, b1, 1 - b2, b2, eps, block**-0.5)]
-    )
+    coefficients = jnp.stack([jnp.asarray(c, dtype) for c in (1 - b1, b1, 1 - b2, b2, eps, block**-0.5)])
     moment = jax.ShapeDtypeStruct(mu.shape, dtype)
     call = jax.ffi.ffi_call(
         _TARGETS[dtype],
@@ -149,4 +152,6 @@ def haar_adam_moments(
         input_output_aliases={1: 0, 2: 1},
         vmap_method="sequential",
     )
-    return call(g, mu, nu, coefficients, outer=np.int64(outer), n=np.int64(n), inner=np.int64(inner), block=np.int64(block))
+    return call(
+        g, mu, nu, coefficients, outer=np.int64(outer), n=np.int64(n), inner=np.int64(inner), block=np.int64(block)
+    )

@@ -34,7 +34,9 @@ class StateBytes(NamedTuple):
 
 def tree_bytes(tree: Any) -> int:
     """Bytes of all arrays (or `jax.ShapeDtypeStruct`s) in a pytree."""
-    return int(sum(np.prod(x.shape, dtype=np.int64) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree)))
+    return int(
+        sum(np.prod(x.shape, dtype=np.int64) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
+    )
 
 
 def optimizer_state_bytes(optimizer: optax.GradientTransformation, params: Any) -> StateBytes:
@@ -75,6 +77,6 @@ def _owner(path: tuple, param_paths: list[tuple]) -> int | None:
     """Index of the longest parameter path that `path` ends with (None for scalars of no one)."""
     best, best_len = None, 0
     for i, p in enumerate(param_paths):
-        if 0 < len(p) <= len(path) and tuple(path[-len(p):]) == tuple(p) and len(p) > best_len:
+        if 0 < len(p) <= len(path) and tuple(path[-len(p) :]) == tuple(p) and len(p) > best_len:
             best, best_len = i, len(p)
     return best

@@ -163,7 +163,9 @@ class WaveletProjection:
                 specs.append(None)
                 continue
             if not _level_fits(n, self.level, self.wavelet, self.mode):
-                deepest = max([l for l in range(1, self.level) if _level_fits(n, l, self.wavelet, self.mode)], default=0)
+                deepest = max(
+                    [l for l in range(1, self.level) if _level_fits(n, l, self.wavelet, self.mode)], default=0
+                )
                 raise ValueError(
                     f"{name}: level {self.level} is too deep for length {n} along axis {axis} with "
                     f"wavelet {self.wavelet!r} (at most {deepest}); lower the level, or leave such "
@@ -197,8 +199,6 @@ def _broadcast_prefix(prefix, tree, treedef, what: str) -> list:
         return treedef.flatten_up_to(jax.tree.broadcast(prefix, tree, is_leaf=lambda x: x is None))
     except ValueError as e:
         raise ValueError(f"{what} must be a pytree prefix of the params: {e}") from None
-
-
 
 
 # ---------------------------------------------------------------------------
@@ -304,14 +304,16 @@ def project_leaf(g: jax.Array, spec: LeafSpec) -> WaveletCoefficients:
         cA, *rest = wavelets.wavedec(x, spec.wavelet, spec.mode, spec.level, spec.axis)
         details, signal = tuple(rest), None
     return WaveletCoefficients(
-        approx=sharding_lib.follow(cA, g), details=details, signal=signal, grad_approx=cA,
-        spec=spec, sharding=sharding_lib._explicit_sharding(g),
+        approx=sharding_lib.follow(cA, g),
+        details=details,
+        signal=signal,
+        grad_approx=cA,
+        spec=spec,
+        sharding=sharding_lib._explicit_sharding(g),
     )
 
 
-def inverse_leaf(
-    node: WaveletCoefficients, weight: Optional[jax.Array], clip: Optional[float] = None
-) -> jax.Array:
+def inverse_leaf(node: WaveletCoefficients, weight: Optional[jax.Array], clip: Optional[float] = None) -> jax.Array:
     """``waverec([node.approx, D_l * w, ..., D_1 * w])`` cut to the array's length.
 
     `weight` ``w`` is per approximation coefficient (approx's shape; repeated

@@ -92,9 +92,7 @@ def _derive_spec(state_shape: tuple, param_shape: tuple, param_spec: PartitionSp
     return PartitionSpec(*out)
 
 
-def state_partition_specs(
-    optimizer: optax.GradientTransformation, params: Any, param_specs: Any, mesh: Mesh
-) -> Any:
+def state_partition_specs(optimizer: optax.GradientTransformation, params: Any, param_specs: Any, mesh: Mesh) -> Any:
     """The `PartitionSpec` of every array of ``optimizer.init(params)``.
 
     Works for any Optax state; GWT's compressed moments (also inside
@@ -289,7 +287,7 @@ def gather_axis(x: jax.Array, axis: int) -> jax.Array:
     keeps GWT correct for any length. Other axes keep their sharding.
     """
     sharding = _explicit_sharding(x)
-    if sharding is None or sharding.spec[axis:axis + 1] in ((), (None,)):
+    if sharding is None or sharding.spec[axis : axis + 1] in ((), (None,)):
         return x
     spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
     spec[axis] = None

@@ -31,7 +31,13 @@ from optax_gwt import haar
 from optax_gwt import sharding as sharding_lib
 from optax_gwt.adam import GWTBase, Preconditioner, _scalar_dtype
 from optax_gwt.projection import (
-    AdamTerms, WaveletCoefficients, WaveletProjection, compute_dtype, inverse_leaf, is_coefficients, project_leaf,
+    AdamTerms,
+    WaveletCoefficients,
+    WaveletProjection,
+    compute_dtype,
+    inverse_leaf,
+    is_coefficients,
+    project_leaf,
 )
 
 __all__ = [
@@ -54,8 +60,10 @@ def _flatten(tree: Any) -> tuple[list, Any]:
 
 def _require(ok: bool, stage: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"{stage}: {message} (the GWT chain is wavelet_project -> on_approximation -> "
-                         "[limit_norm_growth ->] wavelet_inverse)")
+        raise ValueError(
+            f"{stage}: {message} (the GWT chain is wavelet_project -> on_approximation -> "
+            "[limit_norm_growth ->] wavelet_inverse)"
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -124,9 +132,9 @@ def _approx_zeros(params: Any, projection: WaveletProjection) -> Any:
     shape, laid out like the param (`sharding.zeros_following`)."""
     specs, treedef = projection.leaf_specs(params)
     leaves = treedef.flatten_up_to(params)
-    return treedef.unflatten([
-        p if s is None else sharding_lib.zeros_following(p, s.approx_shape, p.dtype) for p, s in zip(leaves, specs)
-    ])
+    return treedef.unflatten(
+        [p if s is None else sharding_lib.zeros_following(p, s.approx_shape, p.dtype) for p, s in zip(leaves, specs)]
+    )
 
 
 def _check_projection(leaves: list, treedef, projection: WaveletProjection) -> None:
@@ -138,8 +146,12 @@ def _check_projection(leaves: list, treedef, projection: WaveletProjection) -> N
         if spec is not None and got is None:
             _require(False, "on_approximation", f"{spec.path} is not projected: wavelet_project must come before")
         if got is not None and _projection_key(got) != _projection_key(spec):
-            _require(False, "on_approximation", f"{got.path} was projected as {got} but this stage's projection "
-                     f"makes {spec}: build both stages with the same WaveletProjection")
+            _require(
+                False,
+                "on_approximation",
+                f"{got.path} was projected as {got} but this stage's projection "
+                f"makes {spec}: build both stages with the same WaveletProjection",
+            )
 
 
 def _projection_key(spec) -> Optional[tuple]:
@@ -152,12 +164,16 @@ def _check_state(inner: optax.GradientTransformation, inner_in: Any, inner_state
     want = jax.tree_util.tree_flatten_with_path(jax.eval_shape(inner.init, inner_in))
     have = jax.tree_util.tree_flatten_with_path(inner_state)
     if want[1] != have[1]:
-        raise ValueError("on_approximation: the updates do not match the optimizer state (initialised for "
-                         f"another params tree).\n  updates give: {want[1]}\n  state holds:  {have[1]}")
+        raise ValueError(
+            "on_approximation: the updates do not match the optimizer state (initialised for "
+            f"another params tree).\n  updates give: {want[1]}\n  state holds:  {have[1]}"
+        )
     for (path, w), (_, h) in zip(want[0], have[0]):
         if jnp.shape(w) != jnp.shape(h):
-            raise ValueError(f"on_approximation: state leaf {jax.tree_util.keystr(path)} was built with shape "
-                             f"{jnp.shape(h)} at init, but these updates give {jnp.shape(w)} (compressed shapes)")
+            raise ValueError(
+                f"on_approximation: state leaf {jax.tree_util.keystr(path)} was built with shape "
+                f"{jnp.shape(h)} at init, but these updates give {jnp.shape(w)} (compressed shapes)"
+            )
 
 
 def on_approximation(
@@ -213,7 +229,8 @@ def on_approximation(
         _check_state(inner, inner_in, state.inner_state)
         if isinstance(inner, GWTBase):
             steps, inner_state, sq_norms = inner.update_on_approximation(
-                inner_in, state.inner_state, _haar_signals(leaves, treedef))
+                inner_in, state.inner_state, _haar_signals(leaves, treedef)
+            )
             sq_norms = treedef.flatten_up_to(sq_norms)
         else:
             steps, inner_state = inner.update(inner_in, state.inner_state, _approx_params(params, projection))
@@ -233,16 +250,20 @@ def _approx_params(params: Any, projection: WaveletProjection) -> Any:
         return None
     specs, treedef = projection.leaf_specs(params)
     leaves = treedef.flatten_up_to(params)
-    return treedef.unflatten([p if s is None else project_leaf(p, s).approx.astype(p.dtype) for p, s in zip(leaves, specs)])
+    return treedef.unflatten(
+        [p if s is None else project_leaf(p, s).approx.astype(p.dtype) for p, s in zip(leaves, specs)]
+    )
 
 
 def _haar_signals(leaves: list, treedef) -> Any:
     """Per leaf, ``(G, axis, B)`` where a Haar closed-form node carries its gradient
     in the gradient's own dtype (the CPU kernel's input), else None."""
+
     def one(x):
         if is_coefficients(x) and x.signal is not None and x.signal.dtype == x.spec.dtype:
             return (x.signal, x.spec.axis, x.spec.block)
         return None
+
     return treedef.unflatten([one(x) for x in leaves])
 
 
@@ -328,21 +349,28 @@ def limit_norm_growth(gamma: float = 1.01) -> optax.GradientTransformation:
         leaves, treedef = _flatten(updates)
         index = [k for k, x in enumerate(leaves) if is_coefficients(x)]
         for k in index:
-            _require(leaves[k].step_scale is not None and leaves[k].limit is None, "limit_norm_growth",
-                     f"{leaves[k].spec.path} has not been through on_approximation, or was limited twice")
+            _require(
+                leaves[k].step_scale is not None and leaves[k].limit is None,
+                "limit_norm_growth",
+                f"{leaves[k].spec.path} has not been through on_approximation, or was limited twice",
+            )
         r_prev = treedef.flatten_up_to(state.norm_prev)
         out, new_prev = list(leaves), list(r_prev)
         if index:
             dt = _scalar_dtype([r_prev[k] for k in index])
             # ||approx / step_scale|| of every array as one vector: one op, not one per array.
             given = lambda x: x.sq_norm is not None
-            sq = jnp.stack([x.sq_norm if given(x) else jnp.sum(jnp.square(x.approx)) for x in (leaves[k] for k in index)])
+            sq = jnp.stack(
+                [x.sq_norm if given(x) else jnp.sum(jnp.square(x.approx)) for x in (leaves[k] for k in index)]
+            )
             scale = jnp.stack([jnp.ones([], dt) if given(x) else x.step_scale for x in (leaves[k] for k in index)])
             r = jnp.sqrt(sq.astype(dt)) / scale.astype(dt)
             prev = jnp.stack([r_prev[k].astype(dt) for k in index])
             lam = jnp.where(state.count == 0, 1.0, jnp.maximum(r / (prev + 1e-8), gamma) / gamma).astype(dt)
             for j, k in enumerate(index):
-                out[k] = leaves[k].replace(approx=leaves[k].approx / lam[j].astype(leaves[k].approx.dtype), limit=lam[j])
+                out[k] = leaves[k].replace(
+                    approx=leaves[k].approx / lam[j].astype(leaves[k].approx.dtype), limit=lam[j]
+                )
                 new_prev[k] = (r[j] / lam[j]).astype(r_prev[k].dtype)
         new_state = LimitNormGrowthState(optax.safe_increment(state.count), treedef.unflatten(new_prev))
         return treedef.unflatten(out), new_state
@@ -378,25 +406,41 @@ def _resolve_rule(x: WaveletCoefficients, rule: str) -> str:
     _require(x.step_scale is not None, "wavelet_inverse", f"{x.spec.path} has not been through on_approximation")
     if rule == "auto":
         return "adam" if x.adam is not None else "norm_ratio"
-    _require(rule != "adam" or x.adam is not None, "wavelet_inverse", "detail_rule='adam' needs the base's "
-             "denominator: give on_approximation a preconditioner (optax_gwt.adam_preconditioner for "
-             "optax.scale_by_adam), or use 'norm_ratio' or 'zero'")
+    _require(
+        rule != "adam" or x.adam is not None,
+        "wavelet_inverse",
+        "detail_rule='adam' needs the base's "
+        "denominator: give on_approximation a preconditioner (optax_gwt.adam_preconditioner for "
+        "optax.scale_by_adam), or use 'norm_ratio' or 'zero'",
+    )
     return rule
 
 
 def _inverse_node(x: WaveletCoefficients, rule: str, bias_correct_details: bool, clip: Optional[float]) -> jax.Array:
     """The full-size update of one node (before `scale`), in its compute dtype."""
     rule = _resolve_rule(x, rule)
-    fused = (rule == "adam" and clip is None and x.exact and x.spec.closed_form
-             and x.adam.mu.dtype == x.approx.dtype == x.adam.nu.dtype)
+    fused = (
+        rule == "adam"
+        and clip is None
+        and x.exact
+        and x.spec.closed_form
+        and x.adam.mu.dtype == x.approx.dtype == x.adam.nu.dtype
+    )
     if not fused:
         return inverse_leaf(x, _detail_weight(x, rule, bias_correct_details), clip)
     # The explicit fusion of a `GWTBase` Adam's step with the Haar inverse: the
     # step is rebuilt from the moments inside the full-size pass (haar.adam_update).
     lam = _limit(x)
     return haar.adam_update(
-        x.signal, x.grad_approx, x.adam.mu, x.adam.nu, axis=x.spec.axis, block=x.spec.block, eps=x.adam.eps,
-        approx_factor=x.adam.step / lam, detail_factor=_adam_detail_factor(x, bias_correct_details) / lam,
+        x.signal,
+        x.grad_approx,
+        x.adam.mu,
+        x.adam.nu,
+        axis=x.spec.axis,
+        block=x.spec.block,
+        eps=x.adam.eps,
+        approx_factor=x.adam.step / lam,
+        detail_factor=_adam_detail_factor(x, bias_correct_details) / lam,
     )
 
 

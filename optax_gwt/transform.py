@@ -104,14 +104,18 @@ def scale_by_gwt(
     if detail_rule not in DETAIL_RULES:
         raise ValueError(f"detail_rule must be one of {DETAIL_RULES}, got {detail_rule!r}")
     if base_optimizer is None:
-        kernel = cpu_kernel and norm_growth_limit is not None and detail_rule in ("auto", "adam") and detail_clip is None
+        kernel = (
+            cpu_kernel and norm_growth_limit is not None and detail_rule in ("auto", "adam") and detail_clip is None
+        )
         base = scale_by_reference_adam(b1, b2, eps, mu_dtype, nu_dtype=nu_dtype, cpu_kernel=kernel)
         preconditioner = None
     else:
         base, preconditioner = base_optimizer, adam_preconditioner(b1, b2, eps)
     stages = [wavelet_project(projection), on_approximation(base, projection, preconditioner=preconditioner)]
     stages.append(limit_norm_growth(norm_growth_limit) if norm_growth_limit is not None else optax.identity())
-    stages.append(wavelet_inverse(scale, detail_rule, bias_correct_details=bias_correct_details, detail_clip=detail_clip))
+    stages.append(
+        wavelet_inverse(scale, detail_rule, bias_correct_details=bias_correct_details, detail_clip=detail_clip)
+    )
     return optax.chain(*stages)
 
 

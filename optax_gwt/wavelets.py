@@ -378,7 +378,9 @@ def wavedec(
     return [a] + details[::-1]
 
 
-def waverec(coeffs: Sequence[jax.Array | None], wavelet: str = "haar", mode: str = "symmetric", axis: int = -1) -> jax.Array:
+def waverec(
+    coeffs: Sequence[jax.Array | None], wavelet: str = "haar", mode: str = "symmetric", axis: int = -1
+) -> jax.Array:
     """Multi-level inverse DWT along `axis`, as `pywt.waverec(coeffs, wavelet, mode, axis)`.
 
     Args:

@@ -33,11 +33,32 @@ PARAMS = ("w1", "b1", "w2", "w3", "w4")
 # name: (mesh axes, params' specs, batch spec, GWT's axis: "free" = unsharded_axis(specs), or 0).
 CASES = {
     "data_parallel": ({"data": 8}, {k: P() for k in PARAMS}, P("data"), "free"),
-    "fsdp": ({"fsdp": 8}, {"w1": P(None, "fsdp"), "b1": P("fsdp"), "w2": P(None, "fsdp"), "w3": P(None, "fsdp"), "w4": P(None, "fsdp")}, P("fsdp"), "free"),
+    "fsdp": (
+        {"fsdp": 8},
+        {"w1": P(None, "fsdp"), "b1": P("fsdp"), "w2": P(None, "fsdp"), "w3": P(None, "fsdp"), "w4": P(None, "fsdp")},
+        P("fsdp"),
+        "free",
+    ),
     # Tensor parallel over model (w3 row-parallel: GWT then transforms its axis 1), data parallel over data.
-    "data_x_model": ({"data": 2, "model": 4}, {"w1": P(None, "model"), "b1": P("model"), "w2": P(None, "model"), "w3": P("model", None), "w4": P(None, "model")}, P("data"), "free"),
+    "data_x_model": (
+        {"data": 2, "model": 4},
+        {
+            "w1": P(None, "model"),
+            "b1": P("model"),
+            "w2": P(None, "model"),
+            "w3": P("model", None),
+            "w4": P(None, "model"),
+        },
+        P("data"),
+        "free",
+    ),
     # The transform axis itself is sharded (w2 on both axes; the others along GWT's default axis 0).
-    "transform_axis_sharded": ({"data": 2, "model": 4}, {"w1": P("model"), "b1": P("model"), "w2": P("data", "model"), "w3": P("model"), "w4": P(None, "model")}, P("data"), 0),
+    "transform_axis_sharded": (
+        {"data": 2, "model": 4},
+        {"w1": P("model"), "b1": P("model"), "w2": P("data", "model"), "w3": P("model"), "w4": P(None, "model")},
+        P("data"),
+        0,
+    ),
 }
 
 
@@ -69,7 +90,10 @@ def gwt(axes: tuple):
 
 def grads_at(step: int):
     keys = jax.random.split(jax.random.PRNGKey(100 + step), len(PARAMS))
-    return {k: (step + 1) * jax.random.normal(kk, v.shape, jnp.float32) for (k, v), kk in zip(sorted(params0().items()), keys)}
+    return {
+        k: (step + 1) * jax.random.normal(kk, v.shape, jnp.float32)
+        for (k, v), kk in zip(sorted(params0().items()), keys)
+    }
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,7 +133,9 @@ def count_collectives(hlo: str) -> dict:
 
 def assert_only_scalar_all_reduces(hlo: str) -> None:
     counts = count_collectives(hlo)
-    assert counts["all-gather"] == counts["all-to-all"] == counts["collective-permute"] == counts["reduce-scatter"] == 0, counts
+    assert (
+        counts["all-gather"] == counts["all-to-all"] == counts["collective-permute"] == counts["reduce-scatter"] == 0
+    ), counts
     for line in hlo.splitlines():
         if re.search(r"\sall-reduce(?:-start)?\(", line):
             result_type = line.split("=", 1)[1].split("all-reduce", 1)[0]
@@ -177,7 +203,10 @@ def test_sharded_training_equals_single_device(name):
         losses.append(float(loss))
     ref_losses, ref_params = reference_training(chosen_axes(CASES[name][1], CASES[name][3]), 4)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree_util.tree_leaves(ref_params), jax.tree_util.tree_leaves(params)))
+    moved = max(
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(jax.tree_util.tree_leaves(ref_params), jax.tree_util.tree_leaves(params))
+    )
     for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(ref_params)):
         np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=1e-3 * moved)
 
@@ -201,17 +230,28 @@ def test_state_bytes_per_device_fall_with_devices():
     opt = gwt(chosen_axes(specs, "free"))
     on_device = {}
     for n in (1, 2, 8):
-        mesh = mesh_of({"fsdp": n}) if n == 8 else jax.make_mesh((n,), ("fsdp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+        mesh = (
+            mesh_of({"fsdp": n})
+            if n == 8
+            else jax.make_mesh((n,), ("fsdp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+        )
         ssh = state_shardings(opt, params, shardings(mesh, specs))
         state = jax.jit(opt.init, out_shardings=ssh)(params)
         device = mesh.devices.flat[0]
 
         def held(tree):
-            return sum(s.data.nbytes for leaf in jax.tree_util.tree_leaves(tree) for s in leaf.addressable_shards if s.device == device)
+            return sum(
+                s.data.nbytes
+                for leaf in jax.tree_util.tree_leaves(tree)
+                for s in leaf.addressable_shards
+                if s.device == device
+            )
 
         moments = state[0][1].inner_state
         on_device[n] = {k: held((moments.mu[k], moments.nu[k])) for k in params}
-        predicted = per_device_bytes(jax.eval_shape(opt.init, params), state_partition_specs(opt, params, specs, mesh), mesh)
+        predicted = per_device_bytes(
+            jax.eval_shape(opt.init, params), state_partition_specs(opt, params, specs, mesh), mesh
+        )
         assert held(state) == predicted
     for k, v in params.items():
         # Adam's two float32 moments; a matrix's rows compressed 4x by level 2 (all row counts divide by 4).
@@ -296,14 +336,20 @@ def test_explicit_mesh_transform_axis_sharded_or_not(case, use_helper):
         for g, want in zip(grads, single):
             u, state = update(jax.device_put(g, sp), state, ps)
             assert jax.typeof(u["w"]).sharding.spec == jax.typeof(ps["w"]).sharding.spec
-            np.testing.assert_allclose(np.asarray(u["w"]), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
+            np.testing.assert_allclose(
+                np.asarray(u["w"]), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max())
+            )
 
 
 def _hand_chain():
     proj = optax_gwt.WaveletProjection(level=2)
-    return optax.chain(optax_gwt.wavelet_project(proj),
-                       optax_gwt.on_approximation(optax_gwt.scale_by_reference_adam(), proj),
-                       optax_gwt.limit_norm_growth(), optax_gwt.wavelet_inverse(), optax.scale_by_learning_rate(1e-3))
+    return optax.chain(
+        optax_gwt.wavelet_project(proj),
+        optax_gwt.on_approximation(optax_gwt.scale_by_reference_adam(), proj),
+        optax_gwt.limit_norm_growth(),
+        optax_gwt.wavelet_inverse(),
+        optax.scale_by_learning_rate(1e-3),
+    )
 
 
 @pytest.mark.parametrize("make", [lambda: optax_gwt.gwt_adamw(1e-3), _hand_chain], ids=["gwt_adamw", "hand_chain"])
@@ -316,14 +362,18 @@ def test_eager_init_state_follows_the_params(make):
     specs = {"w": P(None, "fsdp"), "t": P("fsdp")}  # t: its transform axis 0 is the split one, 40 / 4 = 10 rows
     sharded = jax.device_put(params, shardings(mesh, specs))
     state = make().init(sharded)
-    of_type = lambda kind: [s for s in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, kind))
-                            if isinstance(s, kind)][0]
+    of_type = lambda kind: [
+        s for s in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, kind)) if isinstance(s, kind)
+    ][0]
     moments = of_type(optax_gwt.OnApproximationState).inner_state
     for moment in (moments.mu, moments.nu):
         assert moment["w"].sharding.spec == P(None, "fsdp") and len(moment["w"].sharding.device_set) == 8
         assert moment["w"].addressable_shards[0].data.shape == (16, 32)
         assert moment["t"].sharding.is_fully_replicated and len(moment["t"].sharding.device_set) == 8
-    assert all(len(x.sharding.device_set) == 8 for x in jax.tree_util.tree_leaves(of_type(optax_gwt.LimitNormGrowthState).norm_prev))
+    assert all(
+        len(x.sharding.device_set) == 8
+        for x in jax.tree_util.tree_leaves(of_type(optax_gwt.LimitNormGrowthState).norm_prev)
+    )
     # ... and the update runs on that state.
     updates, _ = jax.jit(make().update)(sharded, state, sharded)
     assert updates["w"].sharding.spec == P(None, "fsdp")

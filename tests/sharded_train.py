@@ -232,7 +232,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         checkpointer.save(os.path.abspath(args.save), {"params": params, "opt_state": opt_state})
         checkpointer.wait_until_finished()
     if args.losses:
-        final = jax.tree_util.tree_map(lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True)).tolist(), params)
+        final = jax.tree_util.tree_map(
+            lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True)).tolist(), params
+        )
         if jax.process_index() == 0:
             with open(args.losses, "w") as f:
                 json.dump({"start": start, "losses": losses, "params": final}, f)

@@ -28,14 +28,18 @@ def _params(dtype=jnp.float32, seed=0):
         "conv": {"kernel": (3, 4, 5)},
         "lm_head": {"kernel": (8, 10)},
     }
-    return jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s), dtype), shapes, is_leaf=lambda s: isinstance(s, tuple))
+    return jax.tree.map(
+        lambda s: jnp.asarray(rng.standard_normal(s), dtype), shapes, is_leaf=lambda s: isinstance(s, tuple)
+    )
 
 
 def _small(dtype=jnp.float32):
     """Three arrays (a head-blocked query, a matrix, a norm): the combinators' tests."""
     full = _params(dtype)
-    return {"layers": {k: full["layers"][k] for k in ("norm",)} | {"attn": {"q_proj": full["layers"]["attn"]["q_proj"]}},
-            "mlp": full["layers"]["mlp"]["up"]}
+    return {
+        "layers": {k: full["layers"][k] for k in ("norm",)} | {"attn": {"q_proj": full["layers"]["attn"]["q_proj"]}},
+        "mlp": full["layers"]["mlp"]["up"],
+    }
 
 
 def _grads(params, seed):
@@ -131,7 +135,9 @@ def test_user_partitions_match_reference(x64):
         _close(g, want, rtol=1e-12, atol=1e-14)
     torch_layout = optax_gwt.scale_by_adam_mini(B1, B2, EPS, block_axes=optax_gwt.adam_mini_blocks(output_axis=0))
     _close(_trajectory(torch_layout, params, grads_seq)[0], got, rtol=0, atol=0)
-    per_entry, _ = _trajectory(optax_gwt.scale_by_adam_mini(B1, B2, EPS, block_axes=lambda p, x: None), params, grads_seq)
+    per_entry, _ = _trajectory(
+        optax_gwt.scale_by_adam_mini(B1, B2, EPS, block_axes=lambda p, x: None), params, grads_seq
+    )
     adam, _ = _trajectory(optax.scale_by_adam(B1, B2, EPS), params, grads_seq)
     _close(per_entry, adam, rtol=1e-12, atol=1e-14)
 
@@ -280,8 +286,10 @@ def test_flax_nnx_optimizer():
 
 
 def test_gwt_base_runs_adam_mini_on_the_approximation(x64):
-    params = {"layers": {"attn": {"q_proj": {"kernel": jnp.asarray(np.random.default_rng(3).standard_normal((16, 8)))}}},
-              "mlp": {"kernel": jnp.asarray(np.random.default_rng(4).standard_normal((16, 12)))}}
+    params = {
+        "layers": {"attn": {"q_proj": {"kernel": jnp.asarray(np.random.default_rng(3).standard_normal((16, 8)))}}},
+        "mlp": {"kernel": jnp.asarray(np.random.default_rng(4).standard_normal((16, 12)))},
+    }
     tx = optax_gwt.scale_by_gwt(_mini(), level=2, detail_rule="norm_ratio")
     grads_seq = [_grads(params, s) for s in range(4)]
     _, state = _trajectory(tx, params, grads_seq)
@@ -297,8 +305,10 @@ def test_gwt_base_runs_adam_mini_on_the_approximation(x64):
 def test_gwt_base_trains():
     target = jnp.asarray(np.random.default_rng(5).standard_normal((32, 16)), jnp.float32)
     params = {"w": jnp.zeros((32, 16))}
-    tx = optax.chain(optax_gwt.scale_by_gwt(optax_gwt.scale_by_adam_mini(), level=2, detail_rule="norm_ratio"),
-                     optax.scale_by_learning_rate(3e-2))
+    tx = optax.chain(
+        optax_gwt.scale_by_gwt(optax_gwt.scale_by_adam_mini(), level=2, detail_rule="norm_ratio"),
+        optax.scale_by_learning_rate(3e-2),
+    )
     loss = lambda p: jnp.mean((p["w"] - target) ** 2)  # noqa: E731
     state, step = tx.init(params), jax.jit(lambda p, s: tx.update(jax.grad(loss)(p), s, p))
     start = float(loss(params))

@@ -18,7 +18,12 @@ def _loss(params, x, y):
     "dtype, kw",
     [
         (jnp.float32, dict(level=2)),
-        (jnp.bfloat16, dict(level=3, wavelet="db2", mode="symmetric", mu_dtype=jnp.bfloat16, nu_dtype=jnp.float32, detail_clip=5.0)),
+        (
+            jnp.bfloat16,
+            dict(
+                level=3, wavelet="db2", mode="symmetric", mu_dtype=jnp.bfloat16, nu_dtype=jnp.float32, detail_clip=5.0
+            ),
+        ),
     ],
 )
 def test_train_step_compiles_once_over_100_steps(dtype, kw):
@@ -53,7 +58,11 @@ def test_train_step_compiles_once_over_100_steps(dtype, kw):
     for i in range(100):
         if i == 50:  # a hyperparameter changed by hand mid-run is a new value, not a new program
             hp = state.inner_state.hyperparams
-            state = state._replace(inner_state=state.inner_state._replace(hyperparams={**hp, "weight_decay": jnp.asarray(0.02, hp["weight_decay"].dtype)}))
+            state = state._replace(
+                inner_state=state.inner_state._replace(
+                    hyperparams={**hp, "weight_decay": jnp.asarray(0.02, hp["weight_decay"].dtype)}
+                )
+            )
         params, state, loss = step(params, state, x, y)
         losses.append(float(loss))
     assert len(traces) == 1

@@ -32,8 +32,11 @@ def make(request):
 
 def _moments(state):
     """The base's state inside any composition (the OnApproximationState's)."""
-    found = [s for s in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, optax_gwt.OnApproximationState))
-             if isinstance(s, optax_gwt.OnApproximationState)]
+    found = [
+        s
+        for s in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, optax_gwt.OnApproximationState))
+        if isinstance(s, optax_gwt.OnApproximationState)
+    ]
     return found[0].inner_state
 
 
@@ -62,7 +65,9 @@ def _run(opt, params, steps=3, seed=1):
 
 
 def _assert_tree_close(a, b, rtol=1e-6, atol=1e-7):
-    jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol), a, b)
+    jax.tree_util.tree_map(
+        lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol), a, b
+    )
 
 
 def test_chain_equals_parts():
@@ -209,7 +214,9 @@ def test_flax_nnx_optimizer(make):
 
     losses = [float(train_step(model, optimizer)) for _ in range(30)]
     assert losses[-1] < 0.7 * losses[0]
-    gwt_state = jax.tree_util.tree_leaves(optimizer.opt_state, is_leaf=lambda s: isinstance(s, optax_gwt.OnApproximationState))
+    gwt_state = jax.tree_util.tree_leaves(
+        optimizer.opt_state, is_leaf=lambda s: isinstance(s, optax_gwt.OnApproximationState)
+    )
     assert any(isinstance(s, optax_gwt.OnApproximationState) for s in gwt_state)
 
     fresh = MLP(nnx.Rngs(0))
@@ -228,7 +235,11 @@ def test_other_base_optimizers(name):
         "rms": (optax.scale_by_rms(), dict(b1=0.0, b2=0.0)),
         "factored_rms": (optax.scale_by_factored_rms(min_dim_size_to_factor=8), {}),
         "muon": (
-            optax.contrib.scale_by_muon(weight_dimension_numbers=lambda t: jax.tree_util.tree_map(lambda _: optax.contrib.MuonDimensionNumbers(), t)),
+            optax.contrib.scale_by_muon(
+                weight_dimension_numbers=lambda t: jax.tree_util.tree_map(
+                    lambda _: optax.contrib.MuonDimensionNumbers(), t
+                )
+            ),
             {},
         ),
     }[name]

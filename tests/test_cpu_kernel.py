@@ -284,6 +284,7 @@ def test_trajectory_float64_equals_reference(level, x64):
 # The compiled step keeps none of XLA's moment computations.
 # ---------------------------------------------------------------------------
 
+
 def compiled_step(cpu_kernel_flag, params):
     """The entry instructions of the compiled donated train step, and the parameter number of the first gradient."""
     opt = optax_gwt.gwt_adamw(1e-2, weight_decay=0.1, level=2, cpu_kernel=cpu_kernel_flag)
@@ -306,7 +307,8 @@ def test_compiled_step_keeps_no_xla_moments():
             approx = (-(-SHAPES[k][0] // 4),) + SHAPES[k][1:]
             approx_type = f"f32[{','.join(map(str, approx))}]"
             approx_producers[flag, k] = [
-                i.opcode for i in instructions
+                i.opcode
+                for i in instructions
                 if i.result_type.startswith(approx_type) and i.opcode not in ("parameter", "get-tuple-element")
             ]
     for k in MATRICES:
@@ -413,12 +415,16 @@ for dtype in (np.float32, np.float64):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2+ CPUs, Linux")
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2+ CPUs, Linux"
+)
 def test_one_thread_gives_identical_bits():
     # The norm is summed per fixed chunk, in chunk order: a process pinned to one
     # CPU (where XLA's thread pool, which the kernel uses, has one thread) must
     # give the same bits as one with several.
     pinned = "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
-    run = lambda script: subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    run = lambda script: (
+        subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    )
     several, one = run(_SQ_SCRIPT), run(pinned + _SQ_SCRIPT)
     assert several.split() and several == one

@@ -74,7 +74,11 @@ def killed_run(corpus, tmp_path_factory):
         while time.monotonic() < deadline and proc.poll() is None:
             steps = [r["step"] for r in rundir.read_metrics(metrics)]
             # A complete checkpoint exists, and the run is past it but not at the next save.
-            if os.path.isdir(os.path.join(_checkpoints(run_dir), str(SAVE_EVERY))) and steps and steps[-1] % SAVE_EVERY not in (0, SAVE_EVERY - 1):
+            if (
+                os.path.isdir(os.path.join(_checkpoints(run_dir), str(SAVE_EVERY)))
+                and steps
+                and steps[-1] % SAVE_EVERY not in (0, SAVE_EVERY - 1)
+            ):
                 proc.send_signal(signal.SIGKILL)
                 break
             time.sleep(0.002)
@@ -82,7 +86,11 @@ def killed_run(corpus, tmp_path_factory):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == -signal.SIGKILL, ("the run was not killed mid-way", proc.returncode, proc.stderr.read()[-2000:])
+    assert proc.returncode == -signal.SIGKILL, (
+        "the run was not killed mid-way",
+        proc.returncode,
+        proc.stderr.read()[-2000:],
+    )
     return run_dir, rundir.read_metrics(metrics)
 
 
@@ -137,7 +145,9 @@ def test_sigkill_between_checkpoints_resumes_to_the_same_losses(killed_run, tmp_
     resumed = train.run(train.parse_args(["--resume", run_dir]))
     assert [r["step"] for r in resumed["history"]] == list(range(last_complete + 1, STEPS + 1))
     redone = {r["step"]: r["loss"] for r in resumed["history"]}
-    assert [redone[r["step"]] for r in logged if r["step"] > last_complete] == [r["loss"] for r in logged if r["step"] > last_complete]
+    assert [redone[r["step"]] for r in logged if r["step"] > last_complete] == [
+        r["loss"] for r in logged if r["step"] > last_complete
+    ]
     assert [r["step"] for r in rundir.read_metrics(os.path.join(run_dir, rundir.METRICS))] == list(range(1, STEPS + 1))
     assert resumed["summary"]["final_val_loss"] is not None
 
@@ -148,7 +158,9 @@ def test_a_partially_written_step_is_never_picked(saved_run, tmp_path):
     complete = Checkpointer(ckpt).latest_step()
     assert complete == 2
     # What a save cut short leaves: Orbax's temporary folder for a later step, even with all files in it.
-    shutil.copytree(os.path.join(ckpt, str(complete)), os.path.join(ckpt, f"{complete + SAVE_EVERY}.orbax-checkpoint-tmp-123"))
+    shutil.copytree(
+        os.path.join(ckpt, str(complete)), os.path.join(ckpt, f"{complete + SAVE_EVERY}.orbax-checkpoint-tmp-123")
+    )
     assert Checkpointer(ckpt).latest_step() == complete
 
 

@@ -57,8 +57,15 @@ _forward = nnx.jit(lambda m, tokens: m(tokens))
 
 
 def test_configs_match_the_paper():
-    expected = {"9m": (128, 352, 4, 4), "20m": (256, 688, 4, 4), "35m": (384, 1024, 8, 6), "60m": (512, 1376, 8, 8),
-                "130m": (768, 2048, 12, 12), "350m": (1024, 2736, 16, 24), "1b": (2048, 5461, 32, 24)}
+    expected = {
+        "9m": (128, 352, 4, 4),
+        "20m": (256, 688, 4, 4),
+        "35m": (384, 1024, 8, 6),
+        "60m": (512, 1376, 8, 8),
+        "130m": (768, 2048, 12, 12),
+        "350m": (1024, 2736, 16, 24),
+        "1b": (2048, 5461, 32, 24),
+    }
     for name, dims in expected.items():
         c = model.CONFIGS[name]
         assert (c.hidden_size, c.intermediate_size, c.num_heads, c.num_layers) == dims
@@ -100,8 +107,13 @@ def test_labels_put_attention_and_mlp_kernels_in_the_matrix_group():
     cfg = model.get_config("9m", vocab_size=258, num_layers=2)
     m = model.Llama(cfg, nnx.Rngs(0))
     # the reference: kernels of Linear modules inside Attention/MLP instances, found by type, not by name
-    inside = {id(lin.kernel) for blk in m.layers for sub in (blk.attn, blk.mlp)
-              for _, lin in nnx.iter_graph(sub) if isinstance(lin, nnx.Linear)}
+    inside = {
+        id(lin.kernel)
+        for blk in m.layers
+        for sub in (blk.attn, blk.mlp)
+        for _, lin in nnx.iter_graph(sub)
+        if isinstance(lin, nnx.Linear)
+    }
     state = nnx.state(m, nnx.Param)
     labels = optimizers.param_labels(state)
     variables = dict(nnx.to_flat_state(state))
@@ -130,18 +142,24 @@ def test_modular_adamw_scales_matrix_updates_by_alpha(one_layer):
     u2, _ = jax.jit(mod.update)(grads, mod.init(params), params)
     labels = jax.tree.leaves(optimizers.param_labels(params))
     for a, b, l in zip(jax.tree.leaves(u1), jax.tree.leaves(u2), labels):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a) * (alpha if l == "matrix" else 1.0), rtol=1e-6, atol=1e-12)
+        np.testing.assert_allclose(
+            np.asarray(b), np.asarray(a) * (alpha if l == "matrix" else 1.0), rtol=1e-6, atol=1e-12
+        )
 
 
 @pytest.mark.parametrize("detail_rule", ["auto", "zero", "norm_ratio"])
 def test_gwt_matches_gwt_adamw_on_matrices_with_scale_alpha_applied_once(one_layer, detail_rule):
     _, params, grads = one_layer
-    tx = optimizers.make_optimizer("gwt", params, lr=1e-2, alpha=0.25, steps=10, warmup_frac=0.0, detail_rule=detail_rule)
+    tx = optimizers.make_optimizer(
+        "gwt", params, lr=1e-2, alpha=0.25, steps=10, warmup_frac=0.0, detail_rule=detail_rule
+    )
     upd, _ = jax.jit(tx.update)(grads, tx.init(params), params)
     labels = jax.tree.leaves(optimizers.param_labels(params))
     sched = optimizers.make_schedule(1e-2, 10, 0.0)
-    refs = {"matrix": optax_gwt.gwt_adamw(sched, scale=0.25, level=2, detail_rule=detail_rule),
-            "other": optax.adamw(sched, eps=1e-6, weight_decay=0.0)}
+    refs = {
+        "matrix": optax_gwt.gwt_adamw(sched, scale=0.25, level=2, detail_rule=detail_rule),
+        "other": optax.adamw(sched, eps=1e-6, weight_decay=0.0),
+    }
     # One jitted first update per group, compiled once per shape.
     first_update = {label: jax.jit(lambda g, ref=ref: ref.update(g, ref.init(g), g)[0]) for label, ref in refs.items()}
     for g, u, l in zip(jax.tree.leaves(grads), jax.tree.leaves(upd), labels):
@@ -160,7 +178,9 @@ def test_state_memory_of_the_groups():
     assert lion == adam / 2 / 4 + 4 * n_matrices  # Lion keeps one moment
     rank = optimizers.galore_rank_matching(params, level=2)
     gwt2 = optimizers.matrix_state_bytes(optimizers.make_optimizer("gwt", params, steps=10, level=2), params)
-    galore = lambda r: optimizers.matrix_state_bytes(optimizers.make_optimizer("galore", params, steps=10, galore_rank=r), params)
+    galore = lambda r: optimizers.matrix_state_bytes(
+        optimizers.make_optimizer("galore", params, steps=10, galore_rank=r), params
+    )
     assert galore(rank) <= gwt2 < galore(rank + 1)
 
 
@@ -172,7 +192,9 @@ def test_state_memory_of_the_groups():
 def test_stdlib_source_lists_the_standard_library_and_splits_by_file():
     root, files = data.list_files("stdlib")
     assert root == sysconfig.get_paths()["stdlib"]
-    assert len(files) > 100 and all(f.endswith(".py") and f.startswith(root) and "site-packages" not in f for f in files)
+    assert len(files) > 100 and all(
+        f.endswith(".py") and f.startswith(root) and "site-packages" not in f for f in files
+    )
     assert os.path.join(root, "os.py") in files
     split = data.split_files(root, files, 0.05)
     assert sorted(split["train"] + split["validation"]) == files and not set(split["train"]) & set(split["validation"])
@@ -181,7 +203,9 @@ def test_stdlib_source_lists_the_standard_library_and_splits_by_file():
 
 
 def test_local_files_loader_windows_come_from_the_right_split(corpus):
-    spec = data.DataSpec(source=os.path.join(corpus, "*.txt"), batch_size=4, seq_len=32, val_fraction=0.25, eval_batches=2)
+    spec = data.DataSpec(
+        source=os.path.join(corpus, "*.txt"), batch_size=4, seq_len=32, val_fraction=0.25, eval_batches=2
+    )
     tok, train_loader, val = data.make_data(spec)
     split = data.split_files(*data.list_files(spec.source), 0.25)
     text = lambda files: b"".join(open(f, "rb").read() + b"\x00" for f in files)
@@ -212,16 +236,25 @@ def test_window_loader_resumes_exactly_and_reshuffles_each_epoch():
 def _write_c4_like(path, n, seed):
     with open(path, "w") as fh:
         for i in range(n):
-            fh.write(json.dumps({"text": _words(60, seed + i) + f" doc{seed + i}", "timestamp": "2019-04-25T12:57:54Z",
-                                 "url": f"https://example.com/{seed + i}"}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "text": _words(60, seed + i) + f" doc{seed + i}",
+                        "timestamp": "2019-04-25T12:57:54Z",
+                        "url": f"https://example.com/{seed + i}",
+                    }
+                )
+                + "\n"
+            )
 
 
 def test_c4_source_streams_through_datasets_and_resumes(tmp_path):
     _write_c4_like(tmp_path / "train.json", 80, 0)
     _write_c4_like(tmp_path / "validation.json", 20, 1000)
     files = {"train": str(tmp_path / "train.json"), "validation": str(tmp_path / "validation.json")}
-    spec = data.DataSpec(source="c4", hf_path="json", hf_name=None, hf_data_files=files, batch_size=2, seq_len=64,
-                         eval_batches=1)
+    spec = data.DataSpec(
+        source="c4", hf_path="json", hf_name=None, hf_data_files=files, batch_size=2, seq_len=64, eval_batches=1
+    )
     tok, loader, val = data.make_data(spec)
     assert isinstance(loader, data.StreamLoader) and val.shape == (1, 2, 65)
     val_docs = "".join(json.loads(l)["text"] for l in open(files["validation"]))
@@ -313,7 +346,9 @@ def test_gradient_accumulation_matches_one_big_batch(one_layer):
 @pytest.mark.slow
 def test_compare_writes_table_and_plot(corpus, tmp_path):
     out = str(tmp_path / "cmp")
-    compare.main(["--runs", "adamw", "gwt-2", "--out", out, "--", "--data", corpus, "--steps", "2", "--eval-every", "1"] + TINY)
+    compare.main(
+        ["--runs", "adamw", "gwt-2", "--out", out, "--", "--data", corpus, "--steps", "2", "--eval-every", "1"] + TINY
+    )
     table = open(os.path.join(out, "results.md")).read().splitlines()
     assert len(table) == 4 and table[2].startswith("| adamw |") and table[3].startswith("| gwt-2 |")
     gwt_matrix_ratio = float(table[3].split("|")[5])

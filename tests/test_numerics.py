@@ -83,7 +83,9 @@ def test_float64_params_under_x64(x64):
     assert state[0][2].norm_prev["w"].dtype == jnp.float64 and state[0][1].inner_state.nu["w"].dtype == jnp.float64
 
 
-@pytest.mark.parametrize("mu_dtype, nu_dtype", [(jnp.bfloat16, None), (None, jnp.bfloat16), (jnp.bfloat16, jnp.bfloat16)])
+@pytest.mark.parametrize(
+    "mu_dtype, nu_dtype", [(jnp.bfloat16, None), (None, jnp.bfloat16), (jnp.bfloat16, jnp.bfloat16)]
+)
 def test_moment_dtypes(mu_dtype, nu_dtype):
     params = _params(jnp.float32)
     opt = optax_gwt.gwt_adamw(1e-2, mu_dtype=mu_dtype, nu_dtype=nu_dtype)
@@ -98,7 +100,11 @@ def test_moment_dtypes(mu_dtype, nu_dtype):
     moments = optax_gwt.memory.tree_bytes((base.mu, base.nu))
     saved = sum(optax_gwt.memory.tree_bytes(getattr(base, m)) for m, d in (("mu", mu_dtype), ("nu", nu_dtype)) if d)
     assert full.total - small.total == saved
-    assert moments == optax_gwt.memory.tree_bytes(jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), (base.mu, base.nu))) - saved
+    assert (
+        moments
+        == optax_gwt.memory.tree_bytes(jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), (base.mu, base.nu)))
+        - saved
+    )
 
 
 def _reference_run(params, grads, **kw):
@@ -118,7 +124,12 @@ def _reference_run(params, grads, **kw):
 # were 4e-2 (bfloat16) and 3e-2 (float16).
 @pytest.mark.parametrize(
     "param_dtype, moments, bound",
-    [(jnp.float32, None, 5e-5), (jnp.bfloat16, None, 2e-2), (jnp.float32, jnp.bfloat16, 1e-2), (jnp.float16, jnp.float32, 1e-2)],
+    [
+        (jnp.float32, None, 5e-5),
+        (jnp.bfloat16, None, 2e-2),
+        (jnp.float32, jnp.bfloat16, 1e-2),
+        (jnp.float16, jnp.float32, 1e-2),
+    ],
 )
 def test_accuracy_against_float64_reference(param_dtype, moments, bound):
     kw = dict(learning_rate=1e-2, level=2, weight_decay=0.1)
@@ -220,8 +231,13 @@ def test_near_zero_approximation_default_is_the_reference_and_explodes(x64, offs
 
 @pytest.mark.parametrize(
     "dtype, wavelet, mode",
-    [(jnp.float32, "haar", "zero"), (jnp.float16, "haar", "zero"), (jnp.float32, "haar", "symmetric"),
-     (jnp.float32, "db2", "symmetric"), (jnp.bfloat16, "sym3", "periodization")],
+    [
+        (jnp.float32, "haar", "zero"),
+        (jnp.float16, "haar", "zero"),
+        (jnp.float32, "haar", "symmetric"),
+        (jnp.float32, "db2", "symmetric"),
+        (jnp.bfloat16, "sym3", "periodization"),
+    ],
 )
 def test_detail_clip_bounds_the_worst_case(dtype, wavelet, mode):
     clip, scale = 1.0, 0.25
@@ -246,11 +262,15 @@ def test_detail_clip_inactive_on_ordinary_gradients_equals_default():
     params = _params()
     grads = _grad_seq(4)
     default, _ = _run(optax_gwt.gwt_adamw(1e-2, level=2, wavelet="db2", mode="symmetric"), params, grads)
-    clipped, _ = _run(optax_gwt.gwt_adamw(1e-2, level=2, wavelet="db2", mode="symmetric", detail_clip=1e6), params, grads)
+    clipped, _ = _run(
+        optax_gwt.gwt_adamw(1e-2, level=2, wavelet="db2", mode="symmetric", detail_clip=1e6), params, grads
+    )
     for k in params:
         np.testing.assert_allclose(np.asarray(clipped[k]), np.asarray(default[k]), rtol=1e-6, atol=1e-6)
     # And an active clip changes the step (it is not a no-op).
-    tight, _ = _run(optax_gwt.gwt_adamw(1e-2, level=2, wavelet="db2", mode="symmetric", detail_clip=0.05), params, grads)
+    tight, _ = _run(
+        optax_gwt.gwt_adamw(1e-2, level=2, wavelet="db2", mode="symmetric", detail_clip=0.05), params, grads
+    )
     assert not np.allclose(np.asarray(tight["w"]), np.asarray(default["w"]), atol=1e-4)
 
 

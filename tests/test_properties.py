@@ -105,11 +105,16 @@ def test_gwt_state_and_update_shapes_or_a_clear_error(shape_axis, level, wavelet
         want_shape[axis] = approx
     base = state[0][1].inner_state
     assert base.mu["p"].shape == tuple(want_shape) and base.nu["p"].shape == tuple(want_shape)
-    assert optax_gwt.optimizer_state_bytes(opt, params).per_param["p"] == 2 * np.prod(want_shape) * jnp.dtype(dtype).itemsize + 4
+    assert (
+        optax_gwt.optimizer_state_bytes(opt, params).per_param["p"]
+        == 2 * np.prod(want_shape) * jnp.dtype(dtype).itemsize + 4
+    )
     g = {"p": jnp.asarray(np.random.default_rng(0).standard_normal(shape), dtype)}
     u, new_state = jax.jit(opt.update)(g, state, params)
     assert u["p"].shape == shape and u["p"].dtype == dtype
-    assert jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), new_state) == jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), state)
+    assert jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), new_state) == jax.tree_util.tree_map(
+        lambda x: (x.shape, x.dtype), state
+    )
     assert np.all(np.isfinite(np.asarray(u["p"], np.float32)))
 
 

@@ -22,6 +22,7 @@ TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 sys.path.insert(0, str(TESTS))
 import sharded_train  # noqa: E402
+
 MESH = AbstractMesh((2, 4), ("data", "fsdp"))
 PARAMS = {
     "dense": {"kernel": jax.ShapeDtypeStruct((64, 32), jnp.float32), "bias": jax.ShapeDtypeStruct((32,), jnp.float32)},
@@ -54,8 +55,12 @@ def test_gwt_adamw_state_specs():
 
 def test_level_decides_divisibility():
     """Level 3 compresses the kernel's 64 rows to 8: still divisible by fsdp=4; level 5 to 2: not."""
-    assert specs_by_path(optax_gwt.gwt_adamw(1e-3, level=3))["[0][1].inner_state.mu['dense']['kernel']"] == P("fsdp", "data")
-    assert specs_by_path(optax_gwt.gwt_adamw(1e-3, level=5, min_dim_size=64))["[0][1].inner_state.mu['dense']['kernel']"] == P(None, "data")
+    assert specs_by_path(optax_gwt.gwt_adamw(1e-3, level=3))["[0][1].inner_state.mu['dense']['kernel']"] == P(
+        "fsdp", "data"
+    )
+    assert specs_by_path(optax_gwt.gwt_adamw(1e-3, level=5, min_dim_size=64))[
+        "[0][1].inner_state.mu['dense']['kernel']"
+    ] == P(None, "data")
 
 
 @pytest.mark.parametrize(
@@ -135,7 +140,9 @@ def _env(devices=None):
 
 
 def _run(args, devices=None, timeout=300):
-    proc = subprocess.run([sys.executable, *args], env=_env(devices), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, *args], env=_env(devices), cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
     return proc
 
@@ -161,8 +168,21 @@ def _run_two_processes(args, devices_each):
     port = _free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, *args, "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
-            env=_env(devices_each), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                *args,
+                "--coordinator",
+                f"localhost:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+            ],
+            env=_env(devices_each),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for i in range(2)
     ]
@@ -209,18 +229,45 @@ def test_two_processes_then_orbax_across_meshes(tmp_path, uninterrupted):
     (fsdp=2 x model=4) resume to step 9: the losses and params are those of the uninterrupted run."""
     out = tmp_path / "two.json"
     _run_two_processes(
-        [str(TESTS / "sharded_train.py"), "--mesh", "data=2,fsdp=4", "--steps", "3", "--devices-per-process", "4",
-         "--save", str(tmp_path / "ckpt3"), "--losses", str(out)],
+        [
+            str(TESTS / "sharded_train.py"),
+            "--mesh",
+            "data=2,fsdp=4",
+            "--steps",
+            "3",
+            "--devices-per-process",
+            "4",
+            "--save",
+            str(tmp_path / "ckpt3"),
+            "--losses",
+            str(out),
+        ],
         devices_each=None,
     )
     two = json.loads(out.read_text())
     assert two["start"] == 0
     np.testing.assert_allclose(two["losses"], uninterrupted["losses"][:3], rtol=1e-5)
 
-    one = _train(tmp_path, "one", None, "--mesh", "data=1", "--steps", "6", "--restore", str(tmp_path / "ckpt3"), "--save", str(tmp_path / "ckpt6"))
-    eight = _train(tmp_path, "eight", 8, "--mesh", "fsdp=2,model=4", "--steps", "9", "--restore", str(tmp_path / "ckpt6"))
+    one = _train(
+        tmp_path,
+        "one",
+        None,
+        "--mesh",
+        "data=1",
+        "--steps",
+        "6",
+        "--restore",
+        str(tmp_path / "ckpt3"),
+        "--save",
+        str(tmp_path / "ckpt6"),
+    )
+    eight = _train(
+        tmp_path, "eight", 8, "--mesh", "fsdp=2,model=4", "--steps", "9", "--restore", str(tmp_path / "ckpt6")
+    )
     assert (one["start"], eight["start"]) == (3, 6)
-    _assert_same_run({"losses": two["losses"] + one["losses"] + eight["losses"], "params": eight["params"]}, uninterrupted)
+    _assert_same_run(
+        {"losses": two["losses"] + one["losses"] + eight["losses"], "params": eight["params"]}, uninterrupted
+    )
 
 
 @pytest.mark.slow
@@ -229,11 +276,41 @@ def test_llama_example_with_mesh_and_two_processes(tmp_path):
     logs the losses of the same run on one device (in this process), to float32 summation order."""
     from examples.llama import train
 
-    flags = ["--model", "num_layers=1", "--seq-len", "32", "--batch-size", "8", "--eval-batches", "1",
-             "--no-progress", "--optimizer", "gwt", "--steps", "3", "--eval-every", "3"]
-    one = [r["loss"] for r in train.run(train.parse_args([*flags, "--run-dir", str(tmp_path / "one"), "--quiet"]))["history"]]
-    _run_two_processes(["-m", "examples.llama.train", *flags, "--mesh", "data=2,fsdp=4",
-                        "--metrics", str(tmp_path / "two.jsonl"), "--run-dir", str(tmp_path / "two")], devices_each=4)
+    flags = [
+        "--model",
+        "num_layers=1",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "8",
+        "--eval-batches",
+        "1",
+        "--no-progress",
+        "--optimizer",
+        "gwt",
+        "--steps",
+        "3",
+        "--eval-every",
+        "3",
+    ]
+    one = [
+        r["loss"]
+        for r in train.run(train.parse_args([*flags, "--run-dir", str(tmp_path / "one"), "--quiet"]))["history"]
+    ]
+    _run_two_processes(
+        [
+            "-m",
+            "examples.llama.train",
+            *flags,
+            "--mesh",
+            "data=2,fsdp=4",
+            "--metrics",
+            str(tmp_path / "two.jsonl"),
+            "--run-dir",
+            str(tmp_path / "two"),
+        ],
+        devices_each=4,
+    )
     two = [json.loads(line)["loss"] for line in (tmp_path / "two.jsonl").read_text().splitlines()]
     assert len(one) == 3
     np.testing.assert_allclose(two, one, rtol=1e-5)

@@ -43,7 +43,9 @@ def grads_seq(shapes, steps, seed=0, dtype=np.float64):
 
 def trajectory(tx, shapes, steps=5, seed=0, dtype=np.float64):
     """Params after each step of `tx`, and the final state."""
-    params = {k: jnp.asarray(np.random.default_rng(seed + 1).standard_normal(s).astype(dtype)) for k, s in shapes.items()}
+    params = {
+        k: jnp.asarray(np.random.default_rng(seed + 1).standard_normal(s).astype(dtype)) for k, s in shapes.items()
+    }
     state, update, out = tx.init(params), jax.jit(tx.update), []
     for g in grads_seq(shapes, steps, seed, dtype):
         u, state = update(jax.tree.map(jnp.asarray, g), state, params)
@@ -70,13 +72,19 @@ class HandChainWithAndWithoutJit(chex.TestCase):
         shapes = {"w": (37, 6), "b": (6,)}
         proj = optax_gwt.WaveletProjection(level=2, wavelet="db2", mode="symmetric")
         tx = hand_chain(proj)
-        params = {k: jnp.asarray(np.random.default_rng(1).standard_normal(s).astype(np.float32)) for k, s in shapes.items()}
+        params = {
+            k: jnp.asarray(np.random.default_rng(1).standard_normal(s).astype(np.float32)) for k, s in shapes.items()
+        }
         state, update = tx.init(params), self.variant(tx.update)
         for g in grads_seq(shapes, 3, dtype=np.float32):
             u, state = update(jax.tree.map(jnp.asarray, g), state, params)
             params = optax.apply_updates(params, u)
-        want, _ = trajectory(optax_gwt.gwt_adamw(LR, weight_decay=WD, level=2, wavelet="db2", mode="symmetric"),
-                             shapes, steps=3, dtype=np.float32)
+        want, _ = trajectory(
+            optax_gwt.gwt_adamw(LR, weight_decay=WD, level=2, wavelet="db2", mode="symmetric"),
+            shapes,
+            steps=3,
+            dtype=np.float32,
+        )
         chex.assert_trees_all_close(params, want[-1], rtol=1e-5, atol=1e-6)
         chex.assert_shape(state[1].inner_state.mu["w"], (11, 6))  # pywt: 37 -> 20 -> 11
 
@@ -111,20 +119,24 @@ def test_hand_chain_equals_numpy_reference(case):
 
 def numpy_lion(b1=0.9, b2=0.99):
     """Lion (Chen et al. 2023) in NumPy: sign(b1 m + (1 - b1) g), then m <- b2 m + (1 - b2) g."""
+
     def step(g, st):
         m = st.get("m", np.zeros_like(g))
         st["m"] = b2 * m + (1 - b2) * g
         return np.sign(b1 * m + (1 - b1) * g)
+
     return step
 
 
 def optax_on_numpy(tx):
     """An Optax transformation applied alone to one NumPy array: its own reference."""
+
     def step(g, st):
         if "s" not in st:
             st["s"] = tx.init(jnp.asarray(g))
         u, st["s"] = tx.update(jnp.asarray(g), st["s"], jnp.zeros_like(g))  # params: their shapes only
         return np.asarray(u, np.float64)
+
     return step
 
 
@@ -154,7 +166,8 @@ BASES = {
     "muon": (
         # every leaf a matrix with Muon's default dimension numbers, as the reference's lone arrays
         lambda: optax.contrib.scale_by_muon(
-            weight_dimension_numbers=lambda u: jax.tree.map(lambda _: optax.contrib.MuonDimensionNumbers(), u)),
+            weight_dimension_numbers=lambda u: jax.tree.map(lambda _: optax.contrib.MuonDimensionNumbers(), u)
+        ),
         lambda: optax_on_numpy(optax.contrib.scale_by_muon()),
     ),
     "factored_rms": (
@@ -171,8 +184,12 @@ def test_other_bases_against_their_references(name):
     make, make_ref = BASES[name]
     shapes = {"w": (32, 6), "u": (19, 8)} if name == "muon" else {"w": (32, 6), "u": (19, 8), "bias": (5,)}
     proj = optax_gwt.WaveletProjection(level=2, wavelet="db2", mode="symmetric")
-    tx = optax.chain(optax_gwt.wavelet_project(proj), optax_gwt.on_approximation(make(), proj),
-                     optax_gwt.limit_norm_growth(1.01), optax_gwt.wavelet_inverse(scale=0.25))
+    tx = optax.chain(
+        optax_gwt.wavelet_project(proj),
+        optax_gwt.on_approximation(make(), proj),
+        optax_gwt.limit_norm_growth(1.01),
+        optax_gwt.wavelet_inverse(scale=0.25),
+    )
     grads = grads_seq(shapes, 4)
     want = reference_gwt_norm_ratio(make_ref(), grads, shapes, wavelet="db2", mode="symmetric")
     params = jax.tree.map(jnp.zeros_like, grads[0])
@@ -234,14 +251,19 @@ def test_error_limiter_or_inverse_before_base():
 
 def test_error_stages_with_different_projections():
     with pytest.raises(ValueError, match="same WaveletProjection"):
-        _update(optax_gwt.wavelet_project(PROJ),
-                optax_gwt.on_approximation(optax.scale_by_adam(), optax_gwt.WaveletProjection(level=3)))
+        _update(
+            optax_gwt.wavelet_project(PROJ),
+            optax_gwt.on_approximation(optax.scale_by_adam(), optax_gwt.WaveletProjection(level=3)),
+        )
 
 
 def test_error_adam_rule_without_denominator():
     with pytest.raises(ValueError, match="denominator"):
-        _update(optax_gwt.wavelet_project(PROJ), optax_gwt.on_approximation(optax.scale_by_adam(), PROJ),
-                optax_gwt.wavelet_inverse(detail_rule="adam"))
+        _update(
+            optax_gwt.wavelet_project(PROJ),
+            optax_gwt.on_approximation(optax.scale_by_adam(), PROJ),
+            optax_gwt.wavelet_inverse(detail_rule="adam"),
+        )
 
 
 def test_error_names_leaf_and_shapes_when_updates_change_shape():
@@ -256,9 +278,12 @@ def test_error_names_leaf_and_shapes_when_updates_change_shape():
 def test_optax_adam_with_its_preconditioner_is_the_adam_rule():
     """optax.scale_by_adam plus adam_preconditioner(eps) gives scale_by_gwt's result for that base."""
     base = optax.scale_by_adam(eps=1e-6)
-    hand = optax.chain(optax_gwt.wavelet_project(PROJ),
-                       optax_gwt.on_approximation(base, PROJ, preconditioner=optax_gwt.adam_preconditioner(eps=1e-6)),
-                       optax_gwt.limit_norm_growth(), optax_gwt.wavelet_inverse())
+    hand = optax.chain(
+        optax_gwt.wavelet_project(PROJ),
+        optax_gwt.on_approximation(base, PROJ, preconditioner=optax_gwt.adam_preconditioner(eps=1e-6)),
+        optax_gwt.limit_norm_growth(),
+        optax_gwt.wavelet_inverse(),
+    )
     built = optax_gwt.scale_by_gwt(base, level=2, eps=1e-6)
     u1, _ = hand.update(G, hand.init(G))
     u2, _ = built.update(G, built.init(G))
@@ -270,14 +295,22 @@ def test_optax_adam_with_its_preconditioner_is_the_adam_rule():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module", ["adam", "stages", "transform", "projection", "memory", "sharding", "wavelets", "haar"])
+@pytest.mark.parametrize(
+    "module", ["adam", "stages", "transform", "projection", "memory", "sharding", "wavelets", "haar"]
+)
 def test_docstring_examples_run(module):
-    mod = getattr(optax_gwt, module) if hasattr(optax_gwt, module) else __import__(f"optax_gwt.{module}", fromlist=["_"])
+    mod = (
+        getattr(optax_gwt, module) if hasattr(optax_gwt, module) else __import__(f"optax_gwt.{module}", fromlist=["_"])
+    )
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0
 
 
 def test_public_names_have_examples():
     """Every public function and class of the package says what it is with an example (run above)."""
-    missing = [name for name in optax_gwt.__all__ if callable(obj := getattr(optax_gwt, name)) and ">>>" not in (obj.__doc__ or "")]
+    missing = [
+        name
+        for name in optax_gwt.__all__
+        if callable(obj := getattr(optax_gwt, name)) and ">>>" not in (obj.__doc__ or "")
+    ]
     assert not missing, missing

@@ -37,7 +37,10 @@ def test_expand_axes_overrides_and_token_budget():
     config = {
         "grid": {"seed": [0, 1], "seq_len": [64, 128], "steps": [10]},
         "train": {"model": ["num_layers=1"], "tokens_per_step": 1024},
-        "optimizers": {"adamw": {"lr": [1e-3, 1e-2]}, "gwt-3": {"optimizer": "gwt", "level": 3, "model": [["num_layers=2"]]}},
+        "optimizers": {
+            "adamw": {"lr": [1e-3, 1e-2]},
+            "gwt-3": {"optimizer": "gwt", "level": 3, "model": [["num_layers=2"]]},
+        },
     }
     runs = sweep.expand(config)
     assert len(runs) == 2 * 2 * 2 + 2 * 2
@@ -52,10 +55,21 @@ def test_expand_axes_overrides_and_token_budget():
 
 def _record(name, lr, seed, loss, alpha=0.25, steps=100):
     flags = {"optimizer": name, "lr": lr, "alpha": alpha, "seed": seed, "seq_len": 64, "batch_size": 8, "steps": steps}
-    curve = [{"step": steps // 2, "tokens": steps // 2 * 512, "val_loss": None if loss is None else loss + 0.5},
-             {"step": steps, "tokens": steps * 512, "val_loss": loss}]
-    return {"key": json.dumps([name, flags]), "name": name, "flags": flags, "final_val_loss": loss, "val_curve": curve,
-            "state_bytes": 100, "matrix_state_bytes": 50, "adamw_matrix_state_bytes": 100, "tokens_per_s": 1000.0}
+    curve = [
+        {"step": steps // 2, "tokens": steps // 2 * 512, "val_loss": None if loss is None else loss + 0.5},
+        {"step": steps, "tokens": steps * 512, "val_loss": loss},
+    ]
+    return {
+        "key": json.dumps([name, flags]),
+        "name": name,
+        "flags": flags,
+        "final_val_loss": loss,
+        "val_curve": curve,
+        "state_bytes": 100,
+        "matrix_state_bytes": 50,
+        "adamw_matrix_state_bytes": 100,
+        "tokens_per_s": 1000.0,
+    }
 
 
 def test_report_best_setting_spread_and_edge_flag(tmp_path):
@@ -67,12 +81,18 @@ def test_report_best_setting_spread_and_edge_flag(tmp_path):
         records.append(_record("gwt", 1e-1, seed, None if seed == 0 else 2.0))
     records.append({**_record("gwt", 1e-2, 0, 9.0), "error": "an interrupted run"})  # ignored
     best = sweep.best_settings(records)
-    (task, names), = best.items()
+    ((task, names),) = best.items()
     assert names["adamw"]["flags"]["lr"] == 1e-2 and names["adamw"]["edges"] == []
-    assert names["adamw"]["mean"] == pytest.approx(2.5) and names["adamw"]["std"] == pytest.approx(0.02) and names["adamw"]["n"] == 3
+    assert (
+        names["adamw"]["mean"] == pytest.approx(2.5)
+        and names["adamw"]["std"] == pytest.approx(0.02)
+        and names["adamw"]["n"] == 3
+    )
     # gwt's lr 1e-1 diverged on one seed: its mean is inf, so 1e-2 wins, inside the grid (a larger lr was tried).
     assert names["gwt"]["flags"]["lr"] == 1e-2 and names["gwt"]["edges"] == []
-    records = [r for r in records if not (r["name"] == "gwt" and r["flags"]["lr"] == 1e-1 and r["final_val_loss"] is None)]
+    records = [
+        r for r in records if not (r["name"] == "gwt" and r["flags"]["lr"] == 1e-1 and r["final_val_loss"] is None)
+    ]
     records.append(_record("gwt", 1e-1, 0, 2.0))
     best = sweep.best_settings(records)[task]
     assert best["gwt"]["flags"]["lr"] == 1e-1 and best["gwt"]["edges"] == ["lr at the high edge"]
@@ -116,14 +136,26 @@ def test_confirmation_seeds_repeat_the_best_tuned_setting(tmp_path, monkeypatch)
         trained.append((run["name"], run["flags"]["lr"], run["flags"]["seed"]))
         final = loss[run["name"], run["flags"]["lr"]]
         final = None if final is None else final + 0.01 * run["flags"]["seed"]
-        return {"key": sweep.run_key(run), "name": run["name"], "flags": run["flags"], "final_val_loss": final,
-                "val_curve": [], "wall_s": 1.0}
+        return {
+            "key": sweep.run_key(run),
+            "name": run["name"],
+            "flags": run["flags"],
+            "final_val_loss": final,
+            "val_curve": [],
+            "wall_s": 1.0,
+        }
 
     monkeypatch.setattr(sweep, "run_one", fake_run)
     assert sweep.confirmation_runs(config, []) == []  # nothing tuned yet
     sweep.run_grid(config, out, str(tmp_path / "runs"), only=["adamw"], log=lambda _: None)
     # adamw's grid, then its best (lr 1e-2; the diverged 1e-1 is not) on seeds 1 and 2; gwt not run (--only)
-    assert trained == [("adamw", 1e-3, 0), ("adamw", 1e-2, 0), ("adamw", 1e-1, 0), ("adamw", 1e-2, 1), ("adamw", 1e-2, 2)]
+    assert trained == [
+        ("adamw", 1e-3, 0),
+        ("adamw", 1e-2, 0),
+        ("adamw", 1e-1, 0),
+        ("adamw", 1e-2, 1),
+        ("adamw", 1e-2, 2),
+    ]
     trained.clear()
     sweep.run_grid(config, out, str(tmp_path / "runs"), log=lambda _: None)
     assert trained == [("gwt", 1e-2, 0), ("gwt", 1e-1, 0), ("gwt", 1e-1, 1), ("gwt", 1e-1, 2)]
@@ -131,11 +163,16 @@ def test_confirmation_seeds_repeat_the_best_tuned_setting(tmp_path, monkeypatch)
     assert sweep.run_grid(config, out, str(tmp_path / "runs"), log=lambda _: None) == [] and trained == []
     best = sweep.best_settings(sweep.load_records(out))
     # only the three-seed settings are candidates
-    assert {n: (b["flags"]["lr"], b["n"]) for n, b in next(iter(best.values())).items()} == {"adamw": (1e-2, 3), "gwt": (1e-1, 3)}
+    assert {n: (b["flags"]["lr"], b["n"]) for n, b in next(iter(best.values())).items()} == {
+        "adamw": (1e-2, 3),
+        "gwt": (1e-1, 3),
+    }
 
 
 def test_report_block_in_a_readme(tmp_path):
-    records = [_record("adamw", lr, seed, loss) for seed in range(3) for lr, loss in ((1e-3, 3.0), (1e-2, 2.5), (1e-1, 2.8))]
+    records = [
+        _record("adamw", lr, seed, loss) for seed in range(3) for lr, loss in ((1e-3, 3.0), (1e-2, 2.5), (1e-1, 2.8))
+    ]
     (tmp_path / "s.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     config = tmp_path / "s.toml"
     config.write_text(f'[study]\nname = "s"\noutput = "{tmp_path / "s.jsonl"}"\n')

@@ -84,7 +84,9 @@ def test_schedule_and_weight_decay_after_the_step():
 def test_other_modes_and_families(mode):
     for wavelet in ("haar", "sym3", "coif1"):
         kw = dict(level=2, wavelet=wavelet, mode=mode)
-        got, want, _ = _run_both(optax_gwt.gwt_adamw(1e-2, **kw), ReferenceGWTAdamW(lr=1e-2, **kw), {"w": (29, 3), "x": (32, 2)}, steps=3)
+        got, want, _ = _run_both(
+            optax_gwt.gwt_adamw(1e-2, **kw), ReferenceGWTAdamW(lr=1e-2, **kw), {"w": (29, 3), "x": (32, 2)}, steps=3
+        )
         for k in want:
             np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-9, atol=1e-12, err_msg=f"{wavelet} {k}")
 
@@ -93,7 +95,12 @@ def test_wavelet_given_as_pywt_object():
     import pywt
 
     kw = dict(level=2, mode="zero")
-    got, want, _ = _run_both(optax_gwt.gwt_adamw(1e-2, wavelet=pywt.Wavelet("db2"), **kw), ReferenceGWTAdamW(lr=1e-2, wavelet="db2", **kw), {"w": (21, 4)}, steps=3)
+    got, want, _ = _run_both(
+        optax_gwt.gwt_adamw(1e-2, wavelet=pywt.Wavelet("db2"), **kw),
+        ReferenceGWTAdamW(lr=1e-2, wavelet="db2", **kw),
+        {"w": (21, 4)},
+        steps=3,
+    )
     np.testing.assert_allclose(np.asarray(got["w"]), want["w"], rtol=1e-9, atol=1e-12)
     assert optax_gwt.WaveletProjection(wavelet=pywt.Wavelet("haar")).wavelet == "haar"
 
@@ -134,7 +141,10 @@ def test_detail_bias_correction_off():
 def test_other_detail_rules_with_reference_adam(rule):
     kw = dict(level=2, wavelet="haar", mode="zero")
     got, want, _ = _run_both(
-        optax_gwt.gwt_adamw(1e-2, detail_rule=rule, **kw), ReferenceGWTAdamW(lr=1e-2, detail_rule=rule, **kw), SHAPES, steps=4
+        optax_gwt.gwt_adamw(1e-2, detail_rule=rule, **kw),
+        ReferenceGWTAdamW(lr=1e-2, detail_rule=rule, **kw),
+        SHAPES,
+        steps=4,
     )
     for k in want:
         np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-9, atol=1e-12, err_msg=k)
@@ -149,7 +159,12 @@ def test_float32_close_to_float64_reference():
     # (a wrong factor, slice or limiter moves the result by >= 1e-2 of it).
     for seed in range(3):
         got, want, _ = _run_both(
-            optax_gwt.gwt_adamw(1e-2, level=2), ReferenceGWTAdamW(lr=1e-2, level=2), SHAPES, steps=5, dtype=np.float32, seed=seed
+            optax_gwt.gwt_adamw(1e-2, level=2),
+            ReferenceGWTAdamW(lr=1e-2, level=2),
+            SHAPES,
+            steps=5,
+            dtype=np.float32,
+            seed=seed,
         )
         start, _ = _problem(SHAPES, seed)
         for k in want:
@@ -229,8 +244,11 @@ def test_projection_stages_roundtrip():
     coeffs, _ = project.update(params, project.init(params))
     assert coeffs["b"] is params["b"] and len(coeffs["w"].details) == 2
     assert coeffs["w"].approx.shape == coeffs["w"].spec.approx_shape
-    tx = optax.chain(project, optax_gwt.on_approximation(optax.identity(), proj),
-                     optax_gwt.wavelet_inverse(scale=1.0, detail_rule="norm_ratio"))
+    tx = optax.chain(
+        project,
+        optax_gwt.on_approximation(optax.identity(), proj),
+        optax_gwt.wavelet_inverse(scale=1.0, detail_rule="norm_ratio"),
+    )
     back, _ = tx.update(params, tx.init(params))
     np.testing.assert_allclose(back["w"], params["w"], atol=1e-12)
 

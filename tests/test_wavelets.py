@@ -75,7 +75,9 @@ def test_pywavelets_defaults_and_wavelet_objects():
     got = wavelets.wavedec(jnp.asarray(x), pywt.Wavelet("sym3"), level=2)
     for r, g in zip(ref, got):
         np.testing.assert_allclose(np.asarray(g), r, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(np.asarray(wavelets.waverec(got, "sym3")), pywt.waverec(ref, "sym3"), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(
+        np.asarray(wavelets.waverec(got, "sym3")), pywt.waverec(ref, "sym3"), rtol=1e-12, atol=1e-12
+    )
 
 
 def test_single_level_and_partial_inverse():
@@ -86,12 +88,18 @@ def test_single_level_and_partial_inverse():
     np.testing.assert_allclose(np.asarray(gcd), cd, rtol=1e-12, atol=1e-12)
     for a, d in ((ca, None), (None, cd)):
         ref = pywt.idwt(a, d, "db2", mode="reflect")
-        got = wavelets.idwt(None if a is None else jnp.asarray(a), None if d is None else jnp.asarray(d), "db2", "reflect")
+        got = wavelets.idwt(
+            None if a is None else jnp.asarray(a), None if d is None else jnp.asarray(d), "db2", "reflect"
+        )
         np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-12, atol=1e-12)
 
 
 def test_haar_has_no_convolution():
-    jaxpr = str(jax.make_jaxpr(lambda x: wavelets.waverec(wavelets.wavedec(x, "haar", "zero", 3, 0), "haar", "zero", 0))(jnp.ones((64, 4))))
+    jaxpr = str(
+        jax.make_jaxpr(lambda x: wavelets.waverec(wavelets.wavedec(x, "haar", "zero", 3, 0), "haar", "zero", 0))(
+            jnp.ones((64, 4))
+        )
+    )
     for op in ("conv_general_dilated", "dot_general", "gather"):
         assert op not in jaxpr
 

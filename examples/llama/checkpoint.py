@@ -162,7 +162,8 @@ class Checkpointer:
                     problems += diff[:5] or [f"{name}: {len(have)} arrays in the checkpoint, {len(want)} in this run"]
         if problems:
             raise CheckpointError(
-                f"{where} is not from this run; refusing to resume from it:\n  " + "\n  ".join(problems)
+                f"{where} is not from this run; refusing to resume from it:\n  "
+                + "\n  ".join(problems)
                 + "\nResume with the original settings, or start a new run (another --run-dir)."
             )
 

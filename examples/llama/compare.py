@@ -56,8 +56,10 @@ RESULTS_JSON, RESULTS_MD, PLOT, README = "results.json", "results.md", "val_loss
 
 def build_parser() -> argparse.ArgumentParser:
     """The comparison's own flags (those before ``--``)."""
-    epilog = (f"Each run's train arguments: {' '.join(DEFAULT_TRAIN_ARGS)},\nthen the run's own "
-              "(gwt-2: --optimizer gwt --level 2), those after --, --lr and --run-dir <out>/<run>.")
+    epilog = (
+        f"Each run's train arguments: {' '.join(DEFAULT_TRAIN_ARGS)},\nthen the run's own "
+        "(gwt-2: --optimizer gwt --level 2), those after --, --lr and --run-dir <out>/<run>."
+    )
     p = argparse.ArgumentParser(prog="python -m examples.llama.compare", description=__doc__, epilog=epilog,
                                 formatter_class=train.HelpFormatter)  # fmt: skip
     p.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=list(RUNS), metavar="RUN",
@@ -127,7 +129,9 @@ def plot(runs: list[dict], path: str) -> None:
     lines = []
     for r in runs:
         evals = [h for h in r["history"] if "val_loss" in h]
-        lines.append((r["name"], [h["tokens"] for h in evals], [h["val_loss"] for h in evals], {"marker": "o", "ms": 3}))
+        lines.append(
+            (r["name"], [h["tokens"] for h in evals], [h["val_loss"] for h in evals], {"marker": "o", "ms": 3})
+        )
     rundir.save_line_plot(path, lines, xlabel="training tokens", ylabel="validation loss (nats/token)")
 
 
@@ -153,7 +157,9 @@ def write_outputs(report: dict, out: str) -> None:
         fh.write(table(report["runs"]))
     plot(report["runs"], os.path.join(out, PLOT))
     with open(os.path.join(out, README), "w") as fh:
-        fh.write(f"# Optimizer comparison\n\n{provenance(report)}\n{table(report['runs'])}\n![validation loss vs tokens]({PLOT})\n")
+        fh.write(
+            f"# Optimizer comparison\n\n{provenance(report)}\n{table(report['runs'])}\n![validation loss vs tokens]({PLOT})\n"
+        )
 
 
 def load_report(directory: str) -> dict:

@@ -132,7 +132,9 @@ def read_text(path: str) -> str:
         return fh.read().decode("utf-8", errors="replace")
 
 
-def hf_documents(path: str, name: Optional[str], split: str, data_files=None, seed: int = 42) -> Callable[[int], Iterator[str]]:
+def hf_documents(
+    path: str, name: Optional[str], split: str, data_files=None, seed: int = 42
+) -> Callable[[int], Iterator[str]]:
     """A function ``skip -> iterator of texts`` over a streamed HF dataset, shuffled with a buffer."""
     import datasets  # imported here: only the C4 source needs it
 
@@ -316,4 +318,3 @@ def _take_tokens(docs: Iterator[str], tokenizer, count: int) -> np.ndarray:
         if have >= count:
             break
     return np.concatenate(parts) if parts else np.zeros([0], np.int32)
-

@@ -97,7 +97,9 @@ def infer_num_heads(params: Any) -> Optional[int]:
 
 def _adam_mini(params: Any, eps: float = 1e-6) -> optax.GradientTransformation:
     """Adam-mini with the paper's partition (per head for q/k, embeddings and head at full Adam)."""
-    return optax_gwt.scale_by_adam_mini(eps=eps, block_axes=optax_gwt.adam_mini_blocks(num_heads=infer_num_heads(params)))
+    return optax_gwt.scale_by_adam_mini(
+        eps=eps, block_axes=optax_gwt.adam_mini_blocks(num_heads=infer_num_heads(params))
+    )
 
 
 def _muon_base(params: Any) -> optax.GradientTransformation:
@@ -127,8 +129,16 @@ GWT_BASES = {
 }
 
 
-def _gwt_on(base: optax.GradientTransformation, learning_rate: optax.ScalarOrSchedule, *, level: int, wavelet: str,
-            alpha: float, weight_decay: float, detail_rule: str) -> optax.GradientTransformation:
+def _gwt_on(
+    base: optax.GradientTransformation,
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    level: int,
+    wavelet: str,
+    alpha: float,
+    weight_decay: float,
+    detail_rule: str,
+) -> optax.GradientTransformation:
     """`scale_by_gwt` on `base`, decoupled weight decay, the learning rate ("auto" details: the norm ratio)."""
     rule = "norm_ratio" if detail_rule == "auto" else detail_rule
     return optax.chain(
@@ -193,7 +203,9 @@ def make_optimizer(
         # The authors' Adafactor: no parameter scaling, first moment 0.9, update clipping 1.
         return optax.adafactor(sched(lr), multiply_by_parameter_scale=False, momentum=0.9, clipping_threshold=1.0)
     if name == "adam-mini":
-        return optax.chain(_adam_mini(params), optax.add_decayed_weights(weight_decay), optax.scale_by_learning_rate(sched(lr)))
+        return optax.chain(
+            _adam_mini(params), optax.add_decayed_weights(weight_decay), optax.scale_by_learning_rate(sched(lr))
+        )
     if name == "adamw-modular":
         matrix = adamw(lr * alpha)
     elif name in ("gwt", "gwt-nobc"):

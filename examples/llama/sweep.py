@@ -125,7 +125,9 @@ def _optimizer_table(name: str, table: dict, config: dict, actions: dict) -> dic
     merged.setdefault("optimizer", name)
     unknown = sorted(k for k in merged if k not in actions and k != "tokens_per_step")
     if unknown:
-        raise SystemExit(f"optimizer {name!r}: unknown train flags {unknown} (see python -m examples.llama.train --help)")
+        raise SystemExit(
+            f"optimizer {name!r}: unknown train flags {unknown} (see python -m examples.llama.train --help)"
+        )
     return merged
 
 
@@ -183,7 +185,14 @@ def _record(study: str, run: dict, argv: list, result: dict, wall_s: float) -> d
     """One JSONL line from `train.run`'s result."""
     summary = result["summary"]
     evals = [r for r in result["history"] if "val_loss" in r]
-    keep = ("params", "state_bytes", "matrix_state_bytes", "adamw_state_bytes", "adamw_matrix_state_bytes", "tokens_per_s")
+    keep = (
+        "params",
+        "state_bytes",
+        "matrix_state_bytes",
+        "adamw_state_bytes",
+        "adamw_matrix_state_bytes",
+        "tokens_per_s",
+    )
     return {
         "study": study,
         "key": run_key(run),
@@ -307,7 +316,9 @@ def group_settings(records: Iterable[dict]) -> dict:
     by_key = {r["key"]: r for r in records if "error" not in r}
     groups: dict = {}
     for r in by_key.values():
-        groups.setdefault(_task(r["flags"]), {}).setdefault(r["name"], {}).setdefault(_setting(r["flags"]), []).append(r)
+        groups.setdefault(_task(r["flags"]), {}).setdefault(r["name"], {}).setdefault(_setting(r["flags"]), []).append(
+            r
+        )
     return groups
 
 
@@ -427,11 +438,21 @@ def across_tasks(best: dict) -> list[str]:
     if len(best) < 2:
         return []
     names = sorted({n for names in best.values() for n in names})
-    size = lambda t: tuple(next(iter(best[t].values()))["runs"][0]["flags"].get(k) or 0  # noqa: E731
-                           for k in ("seq_len", "steps", "batch_size"))
+    size = lambda t: tuple(
+        next(iter(best[t].values()))["runs"][0]["flags"].get(k) or 0  # noqa: E731
+        for k in ("seq_len", "steps", "batch_size")
+    )
     tasks = sorted(best, key=size)
-    cell = lambda b: "" if b is None else ("diverged" if not math.isfinite(b["mean"]) else  # noqa: E731
-                                           f"{b['mean']:.4f} ± {b['std']:.4f} ({b['n']})")
+    cell = lambda b: (
+        ""
+        if b is None
+        else (
+            "diverged"
+            if not math.isfinite(b["mean"])
+            # noqa: E731
+            else f"{b['mean']:.4f} ± {b['std']:.4f} ({b['n']})"
+        )
+    )
     lines = ["## Across tasks", "", "| optimizer | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
     lines += [f"| {n} | " + " | ".join(cell(best[t].get(n)) for t in tasks) + " |" for n in names]
     return lines + [""]
@@ -530,14 +551,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-root", default=None, help="where run directories go (default: study.run_root)")
     p.add_argument("--report", action="store_true", help="only write the report of the JSONL's runs")
     p.add_argument("--report-dir", default=None, help="default: <output without .jsonl>-report/")
-    p.add_argument("--readme", default=None, metavar="FILE",
-                   help="also write the report into FILE between its study-report markers (see readme_markers)")
-    p.add_argument("--include", nargs="+", default=(), metavar="JSONL",
-                   help="other studies' JSONLs whose runs join the report (e.g. the default study's)")
+    p.add_argument(
+        "--readme",
+        default=None,
+        metavar="FILE",
+        help="also write the report into FILE between its study-report markers (see readme_markers)",
+    )
+    p.add_argument(
+        "--include",
+        nargs="+",
+        default=(),
+        metavar="JSONL",
+        help="other studies' JSONLs whose runs join the report (e.g. the default study's)",
+    )
     p.add_argument("--dry-run", action="store_true", help="list the runs (done or not) and exit")
     p.add_argument("--max-runs", type=int, default=None, help="run at most this many of the runs left")
-    p.add_argument("--only", nargs="+", default=None, metavar="NAME",
-                   help="run (and report) only these optimizers' runs")
+    p.add_argument(
+        "--only", nargs="+", default=None, metavar="NAME", help="run (and report) only these optimizers' runs"
+    )
     return p
 
 
@@ -562,17 +593,26 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         runs += [r for r in confirmation_runs(config, records) if r not in runs]
         for run in runs:
             print(("done " if run_key(run) in done else "todo ") + f"{run['name']} {_describe_flags(run['flags'])}")
-        print(f"{len(runs)} runs, {sum(run_key(r) in done for r in runs)} done"
-              + (" (confirmation runs appear once their optimizer's grid is done)" if config.get("study", {}).get("confirm_seeds") else ""))
+        print(
+            f"{len(runs)} runs, {sum(run_key(r) in done for r in runs)} done"
+            + (
+                " (confirmation runs appear once their optimizer's grid is done)"
+                if config.get("study", {}).get("confirm_seeds")
+                else ""
+            )
+        )
         return
     if not args.report:
-        run_grid(config, study["output"], study["run_root"], args.max_runs, args.only, log=lambda s: print(s, flush=True))
+        run_grid(
+            config, study["output"], study["run_root"], args.max_runs, args.only, log=lambda s: print(s, flush=True)
+        )
     report_dir = args.report_dir or default_report_dir(study["output"])
     text = write_report(study["output"], report_dir, include=args.include, only=args.only)
     print(text)
     if args.readme:
-        rundir.replace_block(args.readme, *readme_markers(report_dir),
-                             readme_block(text, report_dir, args.readme, _report_command(args)))
+        rundir.replace_block(
+            args.readme, *readme_markers(report_dir), readme_block(text, report_dir, args.readme, _report_command(args))
+        )
         print(f"updated the study-report block of {args.readme}")
 
 

@@ -120,7 +120,9 @@ NOT_RESUMED = ("resume", "run_dir", "stop_at", "quiet", "json", "no_progress")
 def _add_model_and_data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--config", default="9m", choices=sorted(model_lib.CONFIGS), help="the paper's model config")
-    g.add_argument("--model", nargs="*", default=[], metavar="FIELD=VALUE", help="override LlamaConfig fields, e.g. num_layers=2")
+    g.add_argument(
+        "--model", nargs="*", default=[], metavar="FIELD=VALUE", help="override LlamaConfig fields, e.g. num_layers=2"
+    )
     g = p.add_argument_group("data")
     g.add_argument("--data", default="stdlib", help="'stdlib' (no download), 'c4', or a file/dir/glob of text files")
     g.add_argument("--tokenizer", default="byte", help="'byte' or a Hugging Face tokenizer name (needs transformers)")
@@ -136,16 +138,24 @@ def _add_model_and_data_args(p: argparse.ArgumentParser) -> None:
 def _add_optimizer_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", default="gwt", choices=optimizers.OPTIMIZERS, help="see examples/llama/optimizers.py")
-    g.add_argument("--lr", type=float, default=None, help="peak learning rate; None: the optimizer's optimizers.DEFAULT_LR")
+    g.add_argument(
+        "--lr", type=float, default=None, help="peak learning rate; None: the optimizer's optimizers.DEFAULT_LR"
+    )
     g.add_argument("--alpha", type=float, default=0.25, help="the matrices' lr factor (GWT/GaLore scale)")
     g.add_argument("--level", type=int, default=2, help="GWT levels")
     g.add_argument("--wavelet", default="haar", help="GWT's wavelet (a PyWavelets name)")
-    g.add_argument("--detail-rule", default="auto", choices=optax_gwt.DETAIL_RULES,
-                   help="GWT's detail rule (optax_gwt.wavelet_inverse; auto: adam for Adam, else norm_ratio)")
+    g.add_argument(
+        "--detail-rule",
+        default="auto",
+        choices=optax_gwt.DETAIL_RULES,
+        help="GWT's detail rule (optax_gwt.wavelet_inverse; auto: adam for Adam, else norm_ratio)",
+    )
     g.add_argument("--warmup-frac", type=float, default=0.1, help="linear warm-up, as a share of --steps")
     g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to this fraction of the peak")
     g.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay of the matrices")
-    g.add_argument("--galore-rank", type=int, default=None, help="None: the largest rank whose state <= GWT's at --level")
+    g.add_argument(
+        "--galore-rank", type=int, default=None, help="None: the largest rank whose state <= GWT's at --level"
+    )
     g.add_argument("--galore-gap", type=int, default=200, help="GaLore projector update interval")
 
 
@@ -170,15 +180,21 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
 
 def _add_device_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("devices")
-    g.add_argument("--mesh", default=None, help="shard over a device mesh, e.g. data=2,fsdp=4 (see examples.llama.mesh)")
-    g.add_argument("--coordinator", default=None, help="host:port of process 0 for a multi-process run (jax.distributed)")
+    g.add_argument(
+        "--mesh", default=None, help="shard over a device mesh, e.g. data=2,fsdp=4 (see examples.llama.mesh)"
+    )
+    g.add_argument(
+        "--coordinator", default=None, help="host:port of process 0 for a multi-process run (jax.distributed)"
+    )
     g.add_argument("--num-processes", type=int, default=1, help="processes of a multi-process run")
     g.add_argument("--process-id", type=int, default=None, help="this process's index (None: from the environment)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The training CLI's parser (`compare` documents its train flags with it too)."""
-    p = argparse.ArgumentParser(prog="python -m examples.llama.train", description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m examples.llama.train", description=__doc__, formatter_class=HelpFormatter
+    )
     for add in (_add_model_and_data_args, _add_optimizer_args, _add_run_args, _add_device_args):
         add(p)
     return p
@@ -383,7 +399,9 @@ class Throughput:
         return self.tokens / self.seconds if self.seconds else None
 
 
-def _train_loop(args: argparse.Namespace, job: Job, step: int, ckpt: Checkpointer, metrics_file) -> tuple[list, Throughput]:
+def _train_loop(
+    args: argparse.Namespace, job: Job, step: int, ckpt: Checkpointer, metrics_file
+) -> tuple[list, Throughput]:
     """Steps from `step` to the last one, logging, evaluating and checkpointing; returns the records."""
     lr_fn = optimizers.make_schedule(1.0, args.steps, args.warmup_frac, args.min_lr_ratio)
     tokens_per_step, last = args.batch_size * args.seq_len, min(args.steps, args.stop_at or args.steps)
@@ -430,12 +448,19 @@ def run(args: argparse.Namespace) -> dict:
     job = make_job(args)
     memory = state_memory(job.tx, job.params, args.steps)
     log(_describe(args, job, memory))
-    ckpt = Checkpointer(args.ckpt_dir or os.path.join(args.run_dir, rundir.CHECKPOINTS), run=run_metadata(args, job.cfg))
+    ckpt = Checkpointer(
+        args.ckpt_dir or os.path.join(args.run_dir, rundir.CHECKPOINTS), run=run_metadata(args, job.cfg)
+    )
     step = _start_step(args, job, ckpt, log)
-    config_path, metrics_path = os.path.join(args.run_dir, rundir.CONFIG), args.metrics or os.path.join(args.run_dir, rundir.METRICS)
+    config_path, metrics_path = (
+        os.path.join(args.run_dir, rundir.CONFIG),
+        args.metrics or os.path.join(args.run_dir, rundir.METRICS),
+    )
     if writer and not (args.resume is not None and os.path.exists(config_path)):
         _write_config(args, job, config_path)
-    metrics_file = rundir.open_metrics(metrics_path, keep_until=step if args.resume is not None else None) if writer else None
+    metrics_file = (
+        rundir.open_metrics(metrics_path, keep_until=step if args.resume is not None else None) if writer else None
+    )
     try:
         history, speed = _train_loop(args, job, step, ckpt, metrics_file)
     finally:

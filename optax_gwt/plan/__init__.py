@@ -341,5 +341,9 @@ def roofline(plan: StepPlan, accelerator: Accelerator, tokens_per_step: int) -> 
     running in parallel. Communication and kernel launch are not counted.
     """
     step, update = roofline_seconds(plan.cost, accelerator), roofline_seconds(plan.update_cost, accelerator)
-    bound = "compute" if plan.cost.flops / accelerator.peak_flops >= plan.cost.bytes / accelerator.hbm_bandwidth else "memory"
+    bound = (
+        "compute"
+        if plan.cost.flops / accelerator.peak_flops >= plan.cost.bytes / accelerator.hbm_bandwidth
+        else "memory"
+    )
     return Throughput(tokens_per_step / step, step, update, update / step, bound)

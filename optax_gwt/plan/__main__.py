@@ -34,7 +34,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--params", choices=DTYPES, default="fp32", help="params and gradients")
     p.add_argument("--state", choices=DTYPES, default="fp32", help="optimizer state")
     p.add_argument("--compute", choices=DTYPES, default="bf16", help="matmuls and activations")
-    p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True, help="recompute each layer in the backward")
+    p.add_argument(
+        "--remat", action=argparse.BooleanOptionalAction, default=True, help="recompute each layer in the backward"
+    )
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--optimizers", nargs="+", default=None, help="default: all of optax_gwt.plan.llama.OPTIMIZERS")
     p.add_argument("--max-batch", type=int, default=4096)
@@ -88,10 +90,19 @@ def plan_rows(args: argparse.Namespace, sizes: dict) -> list[dict]:
     for name in args.config:
         cfg = CONFIGS[name]
         n_params = sum(x.size for x in jax.tree.leaves(llama.abstract_params(cfg)))
-        plans = llama.plan_llama(cfg, mesh, acc.hbm_bytes, precision=precision, seq_len=args.seq_len,
-                                 optimizers=args.optimizers or llama.OPTIMIZERS, max_batch=args.max_batch)
+        plans = llama.plan_llama(
+            cfg,
+            mesh,
+            acc.hbm_bytes,
+            precision=precision,
+            seq_len=args.seq_len,
+            optimizers=args.optimizers or llama.OPTIMIZERS,
+            max_batch=args.max_batch,
+        )
         for opt, plan in plans.items():
-            rows.append(report.row(name, opt, n_params, plan, acc, args.seq_len, sizes.get("data", 1) * sizes.get("fsdp", 1)))
+            rows.append(
+                report.row(name, opt, n_params, plan, acc, args.seq_len, sizes.get("data", 1) * sizes.get("fsdp", 1))
+            )
             print(report.table(rows[-1:]).splitlines()[-1], f"  ({plan.seconds:.0f} s)", flush=True)
     return rows
 
@@ -104,10 +115,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     start = time.perf_counter()
     rows = plan_rows(args, sizes)
-    settings = {**vars(args), "mesh": sizes, "accelerator": accelerator(args)._asdict(), "seconds": time.perf_counter() - start}
-    print(f"\n{settings['accelerator']['name']}, {settings['accelerator']['hbm_bytes'] / 2**30:g} GiB per device, "
-          f"mesh {sizes}, params {args.params}, state {args.state}, compute {args.compute}, remat {args.remat}, "
-          f"seq {args.seq_len}; GiB per device at each optimizer's largest micro-batch\n")
+    settings = {
+        **vars(args),
+        "mesh": sizes,
+        "accelerator": accelerator(args)._asdict(),
+        "seconds": time.perf_counter() - start,
+    }
+    print(
+        f"\n{settings['accelerator']['name']}, {settings['accelerator']['hbm_bytes'] / 2**30:g} GiB per device, "
+        f"mesh {sizes}, params {args.params}, state {args.state}, compute {args.compute}, remat {args.remat}, "
+        f"seq {args.seq_len}; GiB per device at each optimizer's largest micro-batch\n"
+    )
     print(report.table(rows))
     print(f"\nplanned in {settings['seconds']:.0f} s")
     if args.out:

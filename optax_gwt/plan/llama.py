@@ -151,7 +151,9 @@ def _spec(shape: tuple, wants: list, mesh: Mesh) -> P:
     for i, axes in enumerate(entries):
         if axes and shape[i] % size(axes):
             entries[i] = ()
-            free = [j for j in range(len(shape) - 2, len(shape)) if j != i and not entries[j] and shape[j] % size(axes) == 0]
+            free = [
+                j for j in range(len(shape) - 2, len(shape)) if j != i and not entries[j] and shape[j] % size(axes) == 0
+            ]
             if len(shape) >= 2 and free:
                 entries[free[0]] = axes
     return P(*(e or None for e in entries))

@@ -28,7 +28,15 @@ COLUMNS = (
 )
 
 
-def row(name: str, optimizer: str, n_params: int, plan: plan_lib.StepPlan, accelerator: plan_lib.Accelerator, tokens_per_example: int, batch_devices: int) -> dict:
+def row(
+    name: str,
+    optimizer: str,
+    n_params: int,
+    plan: plan_lib.StepPlan,
+    accelerator: plan_lib.Accelerator,
+    tokens_per_example: int,
+    batch_devices: int,
+) -> dict:
     """`optimizer`'s numbers on config `name`: memory per device (GiB) at its largest micro-batch, cost, roofline tokens/s.
 
     `tokens_per_example`: the sequence length; `batch_devices`: the devices
