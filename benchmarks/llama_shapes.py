@@ -9,14 +9,14 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from examples.llama import model
-from examples.llama.model import LlamaConfig
+from optax_gwt.models import llama_config
+from optax_gwt.models.llama_config import LlamaConfig
 
 __all__ = ["LlamaConfig", "CONFIGS", "llama_params", "is_attention_or_mlp", "param_labels"]
 
 
-#: The papers' configurations, as the LLaMA example defines them.
-CONFIGS = {name: model.CONFIGS[name] for name in ("60m", "130m", "350m", "1b")}
+#: The papers' configurations, as the library's LLaMA (and its example) defines them.
+CONFIGS = {name: llama_config.CONFIGS[name] for name in ("60m", "130m", "350m", "1b")}
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")

@@ -2,7 +2,7 @@
 
 For each model (60m, 130m) and optimizer (AdamW, GWT-2), one fresh process
 on one CPU device compiles the planner's train step (`optax_gwt.plan.llama`:
-the example's LLaMA, scanned, with the example's optimizers) and reads the
+the library's LLaMA, scanned, with the comparison's optimizers) and reads the
 estimate from XLA's ``memory_analysis()`` (`optax_gwt.plan.step_memory`);
 then it allocates the params, optimizer state and batch for real and runs the
 step twice. Measured: the peak resident memory during the steps (``VmHWM``,
@@ -39,8 +39,8 @@ def measure(config: str, optimizer: str, batch: int, seq_len: int) -> dict:
     import jax.numpy as jnp
 
     import optax_gwt
-    from examples.llama.model import CONFIGS
     from optax_gwt import plan
+    from optax_gwt.models.llama_config import CONFIGS
     from optax_gwt.plan import llama
 
     cfg, mesh = CONFIGS[config], llama.make_mesh({})

@@ -2,9 +2,23 @@
 
 Wen et al., "Breaking Memory Limits: Gradient Wavelet Transform Enhances LLMs
 Training", arXiv 2501.07237.
+
+Submodules not imported here: `optax_gwt.models.llama` (the Flax NNX LLaMA, needs
+Flax), `optax_gwt.models.llama_config` (its configs) and `optax_gwt.plan.llama`
+(the LLaMA planner, needs Flax; ``pip install "optax-gwt[plan]"``).
 """
 
-from optax_gwt import cpu_kernel, haar, sharding, wavelets
+__version__ = "0.1.0"  # the one source of the version: pyproject.toml reads it
+
+from optax_gwt import (
+    cpu_kernel,
+    haar,
+    modular,  # modular learning rates and the comparison's optimizers (JAX and Optax only)
+    plan,  # the memory planner (JAX and Optax only; its LLaMA part, optax_gwt.plan.llama, needs Flax)
+    sharding,
+    wavelets,
+)
+from optax_gwt.adam import GWTBase, Preconditioner, adam_preconditioner, scale_by_reference_adam
 from optax_gwt.adam_mini import (
     Blocks,
     ScaleByAdamMiniState,
@@ -13,7 +27,6 @@ from optax_gwt.adam_mini import (
     output_blocks,
     scale_by_adam_mini,
 )
-from optax_gwt.adam import GWTBase, Preconditioner, adam_preconditioner, scale_by_reference_adam
 from optax_gwt.memory import StateBytes, optimizer_state_bytes
 from optax_gwt.projection import LeafSpec, WaveletCoefficients, WaveletProjection
 from optax_gwt.stages import (
@@ -26,10 +39,7 @@ from optax_gwt.stages import (
     wavelet_project,
 )
 from optax_gwt.transform import STATIC_ARGS, DecayAfterStepState, decay_weights_after_step, gwt_adamw, scale_by_gwt
-from optax_gwt.wavelets import waverec, wavedec
-from optax_gwt import plan  # the memory planner (JAX and Optax only; its LLaMA part, optax_gwt.plan.llama, needs Flax)
-
-__version__ = "0.1.0"
+from optax_gwt.wavelets import wavedec, waverec
 
 __all__ = [
     "DETAIL_RULES",
@@ -55,6 +65,8 @@ __all__ = [
     "gwt_adamw",
     "haar",
     "limit_norm_growth",
+    "modular",
+    "plan",
     "on_approximation",
     "optimizer_state_bytes",
     "scale_by_gwt",

@@ -11,8 +11,8 @@ transform axis (the input axis of a Flax kernel) is averaged over anyway.
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +56,7 @@ class Blocks(NamedTuple):
 #: A partition: ``(path, array) -> Blocks`` (or a sequence of axes to average
 #: over, or None for per-entry blocks). The array may be a
 #: `jax.ShapeDtypeStruct`: only its shape may be read.
-BlockFn = Callable[[tuple, Any], Union[Blocks, Sequence[int], None]]
+BlockFn = Callable[[tuple, Any], Blocks | Sequence[int] | None]
 
 #: Path names of the arrays that `adam_mini_blocks` leaves at Adam's per-entry
 #: second moment by default: token embeddings and the output head.
@@ -116,7 +116,7 @@ def path_names(path: tuple) -> set[str]:
 
 
 def adam_mini_blocks(
-    num_heads: Optional[int] = None,
+    num_heads: int | None = None,
     *,
     query_key: Sequence[str] = QUERY_KEY_NAMES,
     full_adam: Sequence[str] = EMBEDDING_NAMES,
@@ -160,7 +160,7 @@ def adam_mini_blocks(
     return partition
 
 
-def _resolve(spec: Union[Blocks, Sequence[int], None], shape: tuple, path: tuple) -> Blocks:
+def _resolve(spec: Blocks | Sequence[int] | None, shape: tuple, path: tuple) -> Blocks:
     """`spec` as a `Blocks` with non-negative axes, checked against `shape`."""
     blocks = spec if isinstance(spec, Blocks) else Blocks(axes=tuple(spec or ()))
     ndim = len(shape)
@@ -243,8 +243,8 @@ def scale_by_adam_mini(
     eps: float = 1e-8,
     eps_root: float = 0.0,
     *,
-    block_axes: Optional[BlockFn] = None,
-    mu_dtype: Optional[Any] = None,
+    block_axes: BlockFn | None = None,
+    mu_dtype: Any | None = None,
 ) -> optax.GradientTransformation:
     """Adam-mini: Adam whose second moment is one value per block.
 
@@ -294,7 +294,8 @@ def scale_by_adam_mini(
       >>> state = tx.init(params)
       >>> state.nu["attn"]["q_proj"]["kernel"].shape, state.nu["mlp"]["kernel"].shape
       ((1, 2, 1), (1, 3))
-      >>> g = {"attn": {"q_proj": {"kernel": jnp.ones((4, 6))}}, "mlp": {"kernel": jnp.array([[3.0], [4.0]]) * jnp.ones((2, 3))}}
+      >>> g = {"attn": {"q_proj": {"kernel": jnp.ones((4, 6))}},
+      ...      "mlp": {"kernel": jnp.array([[3.0], [4.0]]) * jnp.ones((2, 3))}}
       >>> u, state = tx.update(g, state)
       >>> [round(float(x), 3) for x in u["mlp"]["kernel"][:, 0]]  # a column's block: [3, 4] / sqrt(mean(9, 16))
       [0.849, 1.131]
@@ -311,7 +312,7 @@ def scale_by_adam_mini(
     def init_fn(params):
         blocks, treedef = layout(params)
         leaves = treedef.flatten_up_to(params)
-        nu = [jnp.zeros(_nu_shape(x.shape, b), _moment_dtype(x.dtype)) for x, b in zip(leaves, blocks)]
+        nu = [jnp.zeros(_nu_shape(x.shape, b), _moment_dtype(x.dtype)) for x, b in zip(leaves, blocks, strict=True)]
         mu = jax.tree.map(lambda x: jnp.zeros_like(x, dtype=mu_dtype), params)
         return ScaleByAdamMiniState(count=jnp.zeros([], jnp.int32), mu=mu, nu=treedef.unflatten(nu))
 
@@ -321,10 +322,13 @@ def scale_by_adam_mini(
         grads, nus = treedef.flatten_up_to(updates), treedef.flatten_up_to(state.nu)
         count = optax.safe_increment(state.count)
         mu = optax.tree.update_moment(updates, state.mu, b1, 1)
-        nu = [b2 * v + (1 - b2) * _block_mean_square(g, b, v.dtype) for g, v, b in zip(grads, nus, blocks)]
+        nu = [b2 * v + (1 - b2) * _block_mean_square(g, b, v.dtype) for g, v, b in zip(grads, nus, blocks, strict=True)]
         m_hat = treedef.flatten_up_to(optax.tree.bias_correction(mu, b1, count))
         v_hat = optax.tree.bias_correction(nu, b2, count)
-        out = [_scaled(m, v, b, eps, eps_root).astype(g.dtype) for m, v, b, g in zip(m_hat, v_hat, blocks, grads)]
+        out = [
+            _scaled(m, v, b, eps, eps_root).astype(g.dtype)
+            for m, v, b, g in zip(m_hat, v_hat, blocks, grads, strict=True)
+        ]
         mu = optax.tree.cast(mu, mu_dtype)
         return treedef.unflatten(out), ScaleByAdamMiniState(count=count, mu=mu, nu=treedef.unflatten(nu))
 

@@ -33,7 +33,8 @@ global gradient norm does).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +54,7 @@ __all__ = [
     "gather_axis",
 ]
 
-Mesh = Union[jax.sharding.Mesh, jax.sharding.AbstractMesh]
+Mesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
 
 
 def _is_spec_leaf(x: Any) -> bool:
@@ -83,7 +84,7 @@ def _derive_spec(state_shape: tuple, param_shape: tuple, param_spec: PartitionSp
         return PartitionSpec()
     entries = tuple(param_spec) + (None,) * (len(param_shape) - len(param_spec))
     out = []
-    for s, p, entry in zip(state_shape, param_shape, entries):
+    for s, p, entry in zip(state_shape, param_shape, entries, strict=True):
         if s != p and s % _mesh_size(entry, mesh):
             entry = None
         out.append(entry)
@@ -156,7 +157,7 @@ def state_shardings(optimizer: optax.GradientTransformation, params: Any, param_
     )
 
 
-def unsharded_axis(param_specs: Any, default: int = 0) -> Callable[[tuple, Any], Optional[int]]:
+def unsharded_axis(param_specs: Any, default: int = 0) -> Callable[[tuple, Any], int | None]:
     """An ``axis`` for `gwt_adamw` / `scale_by_gwt` that avoids sharded axes.
 
     Every array of rank >= 2 is transformed along `default`, unless the
@@ -176,7 +177,7 @@ def unsharded_axis(param_specs: Any, default: int = 0) -> Callable[[tuple, Any],
     flat = jax.tree_util.tree_flatten_with_path(param_specs, is_leaf=_is_spec_leaf)[0]
     by_path = {jax.tree_util.keystr(path): _as_spec(s) for path, s in flat}
 
-    def choose(path: tuple, array: Any) -> Optional[int]:
+    def choose(path: tuple, array: Any) -> int | None:
         ndim = len(array.shape)
         if ndim < 2:
             return None
@@ -208,10 +209,10 @@ def per_device_bytes(tree: Any, specs: Any, mesh: Mesh) -> int:
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     total = 0
-    for leaf, spec in zip(leaves, treedef.flatten_up_to(specs)):
+    for leaf, spec in zip(leaves, treedef.flatten_up_to(specs), strict=True):
         spec = _as_spec(spec)
         entries = tuple(spec) + (None,) * (len(leaf.shape) - len(spec))
-        shard = [-(-n // _mesh_size(e, mesh)) for n, e in zip(leaf.shape, entries)]
+        shard = [-(-n // _mesh_size(e, mesh)) for n, e in zip(leaf.shape, entries, strict=True)]
         total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
     return int(total)
 
@@ -221,7 +222,7 @@ def per_device_bytes(tree: Any, specs: Any, mesh: Mesh) -> int:
 # ---------------------------------------------------------------------------
 
 
-def _explicit_sharding(x: Any) -> Optional[NamedSharding]:
+def _explicit_sharding(x: Any) -> NamedSharding | None:
     """`x`'s sharding when it lives on a mesh with explicit axes (then ops that
     change a sharded axis's length must be told the output's sharding), else None."""
     sharding = getattr(jax.typeof(x), "sharding", None)
@@ -231,7 +232,7 @@ def _explicit_sharding(x: Any) -> Optional[NamedSharding]:
     return None
 
 
-def _named_sharding_of(x: Any) -> Optional[NamedSharding]:
+def _named_sharding_of(x: Any) -> NamedSharding | None:
     """The `NamedSharding` of a concrete array, or of a traced one on an explicit mesh; else None."""
     if isinstance(x, jax.core.Tracer):
         return _explicit_sharding(x)
@@ -239,7 +240,7 @@ def _named_sharding_of(x: Any) -> Optional[NamedSharding]:
     return sharding if isinstance(sharding, NamedSharding) else None
 
 
-def _following(shape: tuple, param: Any) -> Optional[NamedSharding]:
+def _following(shape: tuple, param: Any) -> NamedSharding | None:
     """The sharding an array of `shape` derived from `param` gets (the module docstring's rule)."""
     sharding = _named_sharding_of(param)
     if sharding is None:
@@ -294,7 +295,7 @@ def gather_axis(x: jax.Array, axis: int) -> jax.Array:
     return jax.sharding.reshard(x, PartitionSpec(*spec))
 
 
-def reshard_to(x: jax.Array, sharding: Optional[NamedSharding]) -> jax.Array:
+def reshard_to(x: jax.Array, sharding: NamedSharding | None) -> jax.Array:
     """`x` resharded to `sharding` on a mesh of explicit axes (a no-op for None, or if it is there)."""
     if sharding is None or _explicit_sharding(x) == sharding:
         return x

@@ -14,7 +14,9 @@ import pytest
 from flax import nnx
 
 import optax_gwt
-from examples.llama import compare, data, model, optimizers, rundir, train
+from examples.llama import compare, data, rundir, train
+from optax_gwt import modular as optimizers
+from optax_gwt.models import llama as model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -121,7 +121,7 @@ def test_sharded_totals_fall_with_devices():
 @pytest.mark.slow
 def test_llama_planner_on_a_tiny_config():
     pytest.importorskip("flax")
-    from examples.llama.model import LlamaConfig
+    from optax_gwt.models.llama_config import LlamaConfig
     from optax_gwt.plan import llama
 
     cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_heads=2, num_layers=2)

@@ -38,12 +38,13 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import optax_gwt
-from optax_gwt.sharding import state_shardings
 from examples.llama import data as data_lib
-from examples.llama import model as model_lib
 from examples.llama import mesh as mesh_lib
-from examples.llama import optimizers, rundir
+from examples.llama import rundir
 from examples.llama.checkpoint import Checkpointer, run_metadata
+from optax_gwt import modular
+from optax_gwt.models import llama as model_lib
+from optax_gwt.sharding import state_shardings
 
 __all__ = [
     "HelpFormatter",
@@ -137,9 +138,9 @@ def _add_model_and_data_args(p: argparse.ArgumentParser) -> None:
 
 def _add_optimizer_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("optimizer")
-    g.add_argument("--optimizer", default="gwt", choices=optimizers.OPTIMIZERS, help="see examples/llama/optimizers.py")
+    g.add_argument("--optimizer", default="gwt", choices=modular.OPTIMIZERS, help="see optax_gwt/modular.py")
     g.add_argument(
-        "--lr", type=float, default=None, help="peak learning rate; None: the optimizer's optimizers.DEFAULT_LR"
+        "--lr", type=float, default=None, help="peak learning rate; None: the optimizer's modular.DEFAULT_LR"
     )
     g.add_argument("--alpha", type=float, default=0.25, help="the matrices' lr factor (GWT/GaLore scale)")
     g.add_argument("--level", type=int, default=2, help="GWT levels")
@@ -227,7 +228,7 @@ def run_name(args: argparse.Namespace) -> str:
 
 def peak_lr(args: argparse.Namespace) -> float:
     """``--lr``, or the optimizer's default peak learning rate."""
-    return optimizers.DEFAULT_LR[args.optimizer] if args.lr is None else args.lr
+    return modular.DEFAULT_LR[args.optimizer] if args.lr is None else args.lr
 
 
 def _model_overrides(items: Sequence[str]) -> dict:
@@ -244,7 +245,7 @@ def _model_overrides(items: Sequence[str]) -> dict:
 
 
 def make_optimizer(args: argparse.Namespace, params: Any) -> optax.GradientTransformation:
-    return optimizers.make_optimizer(
+    return modular.make_optimizer(
         args.optimizer,
         params,
         lr=args.lr,
@@ -317,12 +318,12 @@ def make_job(args: argparse.Namespace) -> Job:
 
 def state_memory(tx: optax.GradientTransformation, params: Any, steps: int) -> dict:
     """Optimizer-state bytes of `tx` and of AdamW, in total and for the attention/MLP matrices."""
-    adam = optimizers.make_optimizer("adamw", params, steps=steps)
+    adam = modular.make_optimizer("adamw", params, steps=steps)
     return {
         "state_bytes": optax_gwt.optimizer_state_bytes(tx, params).total,
-        "matrix_state_bytes": optimizers.matrix_state_bytes(tx, params),
+        "matrix_state_bytes": modular.matrix_state_bytes(tx, params),
         "adamw_state_bytes": optax_gwt.optimizer_state_bytes(adam, params).total,
-        "adamw_matrix_state_bytes": optimizers.matrix_state_bytes(adam, params),
+        "adamw_matrix_state_bytes": modular.matrix_state_bytes(adam, params),
     }
 
 
@@ -403,7 +404,7 @@ def _train_loop(
     args: argparse.Namespace, job: Job, step: int, ckpt: Checkpointer, metrics_file
 ) -> tuple[list, Throughput]:
     """Steps from `step` to the last one, logging, evaluating and checkpointing; returns the records."""
-    lr_fn = optimizers.make_schedule(1.0, args.steps, args.warmup_frac, args.min_lr_ratio)
+    lr_fn = modular.make_schedule(1.0, args.steps, args.warmup_frac, args.min_lr_ratio)
     tokens_per_step, last = args.batch_size * args.seq_len, min(args.steps, args.stop_at or args.steps)
     history, speed, first = [], Throughput(), step
     quiet = args.no_progress or args.quiet or args.json or jax.process_index() > 0

@@ -30,7 +30,8 @@ from __future__ import annotations
 import functools
 import math
 import time
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -266,7 +267,7 @@ def plan_step(
     batch_at: Callable[[int], Any],
     budget: int,
     *,
-    grad_cost: Optional[Callable[[int], Cost]] = None,
+    grad_cost: Callable[[int], Cost] | None = None,
     max_batch: int = 4096,
 ) -> StepPlan:
     """Plans one optimizer: the largest micro-batch per device that fits `budget`, its memory and cost.
@@ -303,7 +304,7 @@ def plan_step(
     if grad_cost is None:
         cost = compiled_cost(compiled_at(b)[0])
     else:
-        cost = Cost(*(g + u for g, u in zip(grad_cost(b), update_cost)))
+        cost = Cost(*(g + u for g, u in zip(grad_cost(b), update_cost, strict=True)))
     return StepPlan(batch, memory_at(b), cost, update_cost, probes, time.perf_counter() - start)
 
 
@@ -315,7 +316,7 @@ def linear_extrapolation(cost_of: Callable[[int], Cost], n: int) -> Cost:
     micro-batch (FLOPs are linear in it).
     """
     one, two = cost_of(1), cost_of(2)
-    return Cost(*(a + (n - 1) * (b - a) for a, b in zip(one, two)))
+    return Cost(*(a + (n - 1) * (b - a) for a, b in zip(one, two, strict=True)))
 
 
 class Throughput(NamedTuple):

@@ -9,6 +9,8 @@ whole train step on the mesh; nothing of the model's size is allocated.
 Prints the table (GiB per device, at each optimizer's largest micro-batch)
 and, with ``--out PREFIX``, writes ``PREFIX.md``, ``PREFIX.json`` and
 ``PREFIX.png`` (memory per device and largest batch against model size).
+
+Needs Flax and, for the plot, Matplotlib: ``pip install "optax-gwt[plan]"``.
 """
 
 from __future__ import annotations
@@ -17,14 +19,19 @@ import argparse
 import math
 import os
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
+
+from optax_gwt import _extras
+from optax_gwt.models.llama_config import CONFIGS
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", nargs="+", default=["1b"], help="examples.llama.model.CONFIGS names")
+    p.add_argument(
+        "--config", nargs="+", default=["1b"], choices=CONFIGS, help="optax_gwt.models.llama_config.CONFIGS names"
+    )
     p.add_argument("--devices", type=int, default=None, help="simulated devices (default: the mesh's)")
     p.add_argument("--mesh", default="fsdp=1", help="e.g. data=2,fsdp=4,tensor=2 (axes data, fsdp, tensor)")
     p.add_argument("--hbm", type=float, default=None, help="GiB per device (default: the accelerator's)")
@@ -82,7 +89,6 @@ def plan_rows(args: argparse.Namespace, sizes: dict) -> list[dict]:
     import jax
 
     from optax_gwt.plan import llama, report
-    from examples.llama.model import CONFIGS
 
     acc, mesh = accelerator(args), llama.make_mesh(sizes)
     precision = llama.Precision(DTYPES[args.params], DTYPES[args.state], DTYPES[args.compute], args.remat)
@@ -107,8 +113,10 @@ def plan_rows(args: argparse.Namespace, sizes: dict) -> list[dict]:
     return rows
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    with _extras.exit_on_missing():  # one line naming the extra, before anything starts
+        _extras.check("plan", "optax_gwt.plan", "flax", *(["matplotlib"] if args.out else []))
     sizes = mesh_sizes(args.mesh)
     start_backend(args.devices or math.prod(sizes.values()))
     from optax_gwt.plan import report

@@ -1,10 +1,11 @@
-"""The LLaMA planner: the example's model scanned over its layers, sharded, with the comparison's optimizers.
+"""The LLaMA planner: the LLaMA model scanned over its layers, sharded, with the comparison's optimizers.
 
-The model is `examples.llama.model`'s (its `Block`, embedding, final norm and
-head, its `CONFIGS`), only run differently: the layers' params are stacked
-along a leading axis of length ``num_layers`` and the forward pass is one
-``jax.lax.scan`` over them (``jax.checkpoint`` on the body with remat), so the
-compiled program, and the time to compile it, do not grow with depth.
+The model is `optax_gwt.models.llama`'s (its `Block`, embedding, final norm
+and head, its `CONFIGS`; the model the LLaMA example trains), only run
+differently: the layers' params are stacked along a leading axis of length
+``num_layers`` and the forward pass is one ``jax.lax.scan`` over them
+(``jax.checkpoint`` on the body with remat), so the compiled program, and the
+time to compile it, do not grow with depth.
 
 Params: ``{"model": embed / final_norm / lm_head, "layers": every Block's
 arrays stacked, (L, ...)}``. Mesh axes ``data`` x ``fsdp`` x ``tensor``: the
@@ -16,11 +17,13 @@ over ``fsdp``; an axis that a mesh axis does not divide moves to the other
 axis of the matrix, else stays whole. GWT transforms axis 0 of each kernel
 (the input axis), which only ``tensor`` splits.
 
-Optimizers: `examples.llama.optimizers.make_optimizer`'s (the paper's
+Optimizers: `optax_gwt.modular.make_optimizer`'s (the paper's
 modular grouping: GWT / GaLore on the attention and MLP matrices, AdamW on the
 rest), applied to each layer by ``jax.vmap`` over the stacked axis
 (`over_layers`), so every matrix keeps its own state, norms and projectors
 exactly as in the unstacked model.
+
+Needs Flax (``pip install "optax-gwt[plan]"``).
 """
 
 from __future__ import annotations
@@ -28,18 +31,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from examples.llama import optimizers as optimizers_lib
-from examples.llama.model import Block, Llama, LlamaConfig
+from optax_gwt import modular
 from optax_gwt import plan as plan_lib
+from optax_gwt._extras import requires
+
+with requires("plan", "optax_gwt.plan.llama"):
+    from flax import nnx
+
+    from optax_gwt.models.llama import Block, Llama, LlamaConfig
 
 __all__ = [
     "AXES",
@@ -95,7 +104,7 @@ def abstract_params(cfg: LlamaConfig, dtype: str = "float32") -> dict:
 
 
 def loss_fn(
-    cfg: LlamaConfig, precision: Precision = Precision(), unroll: bool = False, mesh: Optional[Mesh] = None
+    cfg: LlamaConfig, precision: Precision = Precision(), unroll: bool = False, mesh: Mesh | None = None
 ) -> Callable:
     """``(params, tokens (B, T + 1)) -> `` mean next-token cross-entropy, the layers scanned.
 
@@ -106,7 +115,7 @@ def loss_fn(
     cfg = dataclasses.replace(cfg, dtype=precision.compute)
     (top_def, _), (block_def, _) = _modules(cfg)
     split = NamedSharding(mesh, P(BATCH_AXES)) if mesh is not None else None
-    constrain = (lambda x: jax.lax.with_sharding_constraint(x, split)) if split else (lambda x: x)  # noqa: E731
+    constrain = (lambda x: jax.lax.with_sharding_constraint(x, split)) if split else (lambda x: x)
 
     def layer(x, params):
         return constrain(nnx.merge(block_def, params)(x)), None
@@ -127,7 +136,8 @@ def make_mesh(sizes: dict) -> Mesh:
     shape = tuple(int(sizes.get(a, 1)) for a in AXES)
     n = math.prod(shape)
     if n > jax.device_count():
-        raise ValueError(f"mesh {dict(zip(AXES, shape))} needs {n} devices, the process has {jax.device_count()}")
+        mesh = dict(zip(AXES, shape, strict=True))
+        raise ValueError(f"mesh {mesh} needs {n} devices, the process has {jax.device_count()}")
     return Mesh(np.array(jax.devices()[:n]).reshape(shape), AXES)
 
 
@@ -203,7 +213,7 @@ def state_in(dtype: str, tx: optax.GradientTransformation) -> optax.GradientTran
 
 
 def make_optimizer(name: str, cfg: LlamaConfig, state_dtype: str = "float32") -> optax.GradientTransformation:
-    """One of `OPTIMIZERS` for `abstract_params(cfg)`: the example's optimizer, per layer on the stack.
+    """One of `OPTIMIZERS` for `abstract_params(cfg)`: `modular.make_optimizer`'s, per layer on the stack.
 
     ``gwt-L`` is GWT-AdamW at level L on the attention and MLP matrices;
     ``galore`` has the largest rank whose state is at most GWT-2's.
@@ -214,10 +224,10 @@ def make_optimizer(name: str, cfg: LlamaConfig, state_dtype: str = "float32") ->
     block = _modules(cfg)[1][1]
     kwargs = dict(steps=10_000, level=int(level or 2))
     if kind == "galore":
-        kwargs["galore_rank"] = optimizers_lib.galore_rank_matching(block, kwargs["level"])
-    layers = optimizers_lib.make_optimizer(kind, block, **kwargs)
+        kwargs["galore_rank"] = modular.galore_rank_matching(block, kwargs["level"])
+    layers = modular.make_optimizer(kind, block, **kwargs)
     # embedding, head, final norm: the "other" group, AdamW (Adafactor when everything is)
-    model = optimizers_lib.make_optimizer(kind if kind == "adafactor" else "adamw", block, steps=kwargs["steps"])
+    model = modular.make_optimizer(kind if kind == "adafactor" else "adamw", block, steps=kwargs["steps"])
     tx = optax.multi_transform({"layers": over_layers(layers), "model": model}, {"layers": "layers", "model": "model"})
     return state_in(state_dtype, tx)
 
@@ -230,7 +240,7 @@ def grad_cost(cfg: LlamaConfig, precision: Precision, mesh: Mesh, seq_len: int) 
     exact for FLOPs, every layer and every example being the same computation).
     """
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def at(b: int, n: int) -> plan_lib.Cost:
         c = dataclasses.replace(cfg, num_layers=n)
         params = sharded(abstract_params(c, precision.params), mesh)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Sequence
+from collections.abc import Sequence
 
 from optax_gwt import plan as plan_lib
 
@@ -37,7 +37,7 @@ def row(
     tokens_per_example: int,
     batch_devices: int,
 ) -> dict:
-    """`optimizer`'s numbers on config `name`: memory per device (GiB) at its largest micro-batch, cost, roofline tokens/s.
+    """`optimizer`'s numbers on config `name`: GiB per device at its largest micro-batch, cost, roofline tokens/s.
 
     `tokens_per_example`: the sequence length; `batch_devices`: the devices
     the batch is split over (``data x fsdp``).
@@ -77,7 +77,7 @@ def table(rows: Sequence[dict]) -> str:
     """A plain-text table, columns aligned (memory in GiB per device)."""
     lines = [[h for _, h, _ in COLUMNS]] + [_cells(r) for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(COLUMNS))]
-    out = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
+    out = ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in lines]
     return "\n".join(out[:1] + ["  ".join("-" * w for w in widths)] + out[1:])
 
 

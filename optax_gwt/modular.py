@@ -1,10 +1,14 @@
-"""Parameter groups and the optimizers of the comparison, as Optax transformations.
+"""Modular learning rates, and the optimizers of the GWT paper's comparison, as Optax transformations.
 
-The paper's modular learning rates: the attention and MLP matrices (the
-"matrix" group, chosen by parameter path) are trained by GWT (or GaLore, or
-AdamW in the `adamw-modular` baseline) at an effective step ``lr * alpha``;
-embeddings, norms and the output head (the "other" group) by AdamW at ``lr``;
-both under one cosine schedule with linear warm-up.
+The paper's modular learning rates (`optax.multi_transform` over two parameter
+groups): the attention and MLP matrices (the "matrix" group, chosen by
+parameter path, `param_labels`) are trained by GWT (or GaLore, or AdamW in the
+``adamw-modular`` baseline) at an effective step ``lr * alpha``; embeddings,
+norms and the output head (the "other" group) by AdamW at ``lr``; both under
+one cosine schedule with linear warm-up (`make_schedule`). `make_optimizer`
+builds any optimizer of the comparison by name (`OPTIMIZERS`) for a params
+pytree of any model whose attention and MLP live under modules named ``attn``
+and ``mlp`` (`MATRIX_MODULES`), such as `optax_gwt.models.llama`.
 
 How ``lr * alpha`` is applied: the authors' WaveAdamW gives both parameter
 groups the same ``lr`` and multiplies the matrices' update by ``scale = alpha``
@@ -13,26 +17,33 @@ inside the step. `optax_gwt.gwt_adamw` and `optax.contrib.galore` do the same
 ``learning_rate=schedule(lr), scale=alpha`` -- NOT a learning rate of
 ``lr * alpha`` on top of ``scale=alpha``, which would apply alpha twice. Only the
 plain-AdamW modular baseline has no ``scale``; it gets ``schedule(lr * alpha)``.
+
+Needs JAX and Optax only (no Flax).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import optax
 
-import optax_gwt
-from examples.llama import model as model_lib
-from optax_gwt.adam_mini import path_names
+from optax_gwt.adam_mini import adam_mini_blocks, path_names, scale_by_adam_mini
+from optax_gwt.memory import optimizer_state_bytes
+from optax_gwt.models.llama_config import CONFIGS
+from optax_gwt.transform import gwt_adamw, scale_by_gwt
 
 __all__ = [
     "DEFAULT_LR",
     "GWT_BASES",
+    "LION_LR_RATIO",
+    "MATRIX_MODULES",
     "OPTIMIZERS",
     "galore_rank_matching",
     "infer_num_heads",
     "make_optimizer",
+    "make_schedule",
+    "matrix_state_bytes",
     "param_labels",
 ]
 
@@ -82,24 +93,22 @@ def make_schedule(lr: float, steps: int, warmup_frac: float = 0.1, min_lr_ratio:
     return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr * min_lr_ratio)
 
 
-def infer_num_heads(params: Any) -> Optional[int]:
-    """Attention heads of the example's model, from its hidden size (`model.CONFIGS`); None if unknown.
+def infer_num_heads(params: Any) -> int | None:
+    """Attention heads of a LLaMA of `optax_gwt.models.llama_config.CONFIGS`, from its hidden size; None if unknown.
 
     The optimizers see only the params, whose shapes do not tell the heads:
     a model whose ``num_heads`` was overridden gets the config's heads here.
     """
     for path, x in jax.tree_util.tree_leaves_with_path(params):
         if "q_proj" in path_names(path) and x.ndim == 2:
-            heads = {c.num_heads for c in model_lib.CONFIGS.values() if c.hidden_size == x.shape[-1]}
+            heads = {c.num_heads for c in CONFIGS.values() if c.hidden_size == x.shape[-1]}
             return heads.pop() if len(heads) == 1 else None
     return None
 
 
 def _adam_mini(params: Any, eps: float = 1e-6) -> optax.GradientTransformation:
     """Adam-mini with the paper's partition (per head for q/k, embeddings and head at full Adam)."""
-    return optax_gwt.scale_by_adam_mini(
-        eps=eps, block_axes=optax_gwt.adam_mini_blocks(num_heads=infer_num_heads(params))
-    )
+    return scale_by_adam_mini(eps=eps, block_axes=adam_mini_blocks(num_heads=infer_num_heads(params)))
 
 
 def _muon_base(params: Any) -> optax.GradientTransformation:
@@ -142,7 +151,7 @@ def _gwt_on(
     """`scale_by_gwt` on `base`, decoupled weight decay, the learning rate ("auto" details: the norm ratio)."""
     rule = "norm_ratio" if detail_rule == "auto" else detail_rule
     return optax.chain(
-        optax_gwt.scale_by_gwt(base, level=level, wavelet=wavelet, scale=alpha, detail_rule=rule),
+        scale_by_gwt(base, level=level, wavelet=wavelet, scale=alpha, detail_rule=rule),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate),
     )
@@ -152,7 +161,7 @@ def make_optimizer(
     name: str,
     params: Any,
     *,
-    lr: Optional[float] = None,
+    lr: float | None = None,
     steps: int,
     alpha: float = 0.25,
     level: int = 2,
@@ -161,7 +170,7 @@ def make_optimizer(
     warmup_frac: float = 0.1,
     min_lr_ratio: float = 0.1,
     weight_decay: float = 0.0,
-    galore_rank: Optional[int] = None,
+    galore_rank: int | None = None,
     galore_gap: int = 200,
 ) -> optax.GradientTransformation:
     """The named optimizer for `params` (only their shapes and paths are used).
@@ -209,7 +218,7 @@ def make_optimizer(
     if name == "adamw-modular":
         matrix = adamw(lr * alpha)
     elif name in ("gwt", "gwt-nobc"):
-        matrix = optax_gwt.gwt_adamw(
+        matrix = gwt_adamw(
             sched(lr),
             weight_decay=weight_decay,
             level=level,
@@ -232,8 +241,9 @@ def make_optimizer(
 
 def matrix_state_bytes(optimizer: optax.GradientTransformation, params: Any) -> int:
     """Bytes of `optimizer`'s state that belong to the "matrix" group's parameters."""
-    per = optax_gwt.optimizer_state_bytes(optimizer, params).per_param
-    return int(sum(b for b, l in zip(jax.tree.leaves(per), jax.tree.leaves(param_labels(params))) if l == "matrix"))
+    per = optimizer_state_bytes(optimizer, params).per_param
+    labels = jax.tree.leaves(param_labels(params))
+    return int(sum(b for b, label in zip(jax.tree.leaves(per), labels, strict=True) if label == "matrix"))
 
 
 def _modular(matrix: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -242,9 +252,9 @@ def _modular(matrix: optax.GradientTransformation) -> optax.GradientTransformati
 
 def galore_rank_matching(params: Any, level: int = 2) -> int:
     """The largest GaLore rank whose state on the matrix group is at most GWT's at `level`."""
-    budget = matrix_state_bytes(_modular(optax_gwt.gwt_adamw(1.0, level=level)), params)
+    budget = matrix_state_bytes(_modular(gwt_adamw(1.0, level=level)), params)
     labels = jax.tree.leaves(param_labels(params))
-    lo, hi = 1, max(min(x.shape) for x, l in zip(jax.tree.leaves(params), labels) if l == "matrix")
+    lo, hi = 1, max(min(x.shape) for x, label in zip(jax.tree.leaves(params), labels, strict=True) if label == "matrix")
     while lo < hi:  # the state grows with the rank: find the last rank within budget
         mid = (lo + hi + 1) // 2
         if matrix_state_bytes(_modular(optax.contrib.galore(1.0, rank=mid)), params) <= budget:
