@@ -12,7 +12,7 @@ transform axis (the input axis of a Flax kernel) is averaged over anyway.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -227,7 +227,7 @@ class ScaleByAdamMiniState(NamedTuple):
       ((4, 3), (1, 3))
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field named like tuple.count, as in optax's states
     mu: optax.Updates
     nu: optax.Updates
 
@@ -320,7 +320,7 @@ def scale_by_adam_mini(
         del params
         blocks, treedef = layout(updates)
         grads, nus = treedef.flatten_up_to(updates), treedef.flatten_up_to(state.nu)
-        count = optax.safe_increment(state.count)
+        count = cast(jax.Array, optax.safe_increment(state.count))  # an array in, an array out
         mu = optax.tree.update_moment(updates, state.mu, b1, 1)
         nu = [b2 * v + (1 - b2) * _block_mean_square(g, b, v.dtype) for g, v, b in zip(grads, nus, blocks, strict=True)]
         m_hat = treedef.flatten_up_to(optax.tree.bias_correction(mu, b1, count))

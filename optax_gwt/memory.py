@@ -69,7 +69,7 @@ def optimizer_state_bytes(optimizer: optax.GradientTransformation, params: Any) 
             shared += nbytes
         else:
             per[owner] += nbytes
-    treedef = jax.tree_util.tree_structure(params)
+    treedef: Any = jax.tree_util.tree_structure(params)  # Any: jaxlib ships no stubs for PyTreeDef
     return StateBytes(total=sum(per) + shared, per_param=treedef.unflatten(per), shared=shared)
 
 

@@ -215,6 +215,7 @@ def make_optimizer(
         return optax.chain(
             _adam_mini(params), optax.add_decayed_weights(weight_decay), optax.scale_by_learning_rate(sched(lr))
         )
+    matrix: optax.GradientTransformation
     if name == "adamw-modular":
         matrix = adamw(lr * alpha)
     elif name in ("gwt", "gwt-nobc"):

@@ -112,6 +112,7 @@ def state_partition_specs(optimizer: optax.GradientTransformation, params: Any, 
     Returns:
       A pytree with the structure of the optimizer state, of `PartitionSpec`.
     """
+    treedef: Any  # jaxlib ships no stubs for PyTreeDef
     param_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     specs = [_as_spec(s) for s in treedef.flatten_up_to(param_specs)]
     param_paths = [path for path, _ in param_leaves]
@@ -146,7 +147,8 @@ def state_shardings(optimizer: optax.GradientTransformation, params: Any, param_
     """
     if param_shardings is None:
         param_shardings = jax.tree_util.tree_map(lambda p: p.sharding, params)
-    flat = jax.tree_util.tree_structure(params).flatten_up_to(param_shardings)
+    treedef: Any = jax.tree_util.tree_structure(params)  # Any: jaxlib ships no stubs for PyTreeDef
+    flat = treedef.flatten_up_to(param_shardings)
     meshes = {s.mesh for s in flat if isinstance(s, NamedSharding)}
     if len(meshes) != 1:
         raise ValueError(f"param_shardings must be NamedShardings on exactly one mesh, found {len(meshes)} meshes")
@@ -207,6 +209,7 @@ def per_device_bytes(tree: Any, specs: Any, mesh: Mesh) -> int:
     Returns:
       The sum over arrays of the shard size times the item size.
     """
+    treedef: Any  # jaxlib ships no stubs for PyTreeDef
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     total = 0
     for leaf, spec in zip(leaves, treedef.flatten_up_to(specs), strict=True):
@@ -273,7 +276,7 @@ def follow(x: jax.Array, param: jax.Array) -> jax.Array:
     if _explicit_sharding(param) is None:
         return x
     target = _following(x.shape, param)
-    if _explicit_sharding(x) == target:
+    if target is None or _explicit_sharding(x) == target:
         return x
     return jax.sharding.reshard(x, target.spec)
 

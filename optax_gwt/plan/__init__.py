@@ -220,7 +220,7 @@ def _guess(probes: dict, budget: int, lo: int, hi: int) -> int:
     fitting = sorted(b for b in probes if b <= lo)
     if len(fitting) == 1 and hi not in probes:
         return min(16, hi - 1)
-    lines = [fitting[-2:]] if next(reversed(probes)) == lo and len(fitting) > 1 else []
+    lines = [tuple(fitting[-2:])] if next(reversed(probes)) == lo and len(fitting) > 1 else []
     lines += [(lo, hi)] if hi in probes else []
     for b0, b1 in lines:
         slope = (probes[b1] - probes[b0]) / (b1 - b0)
@@ -297,7 +297,11 @@ def plan_step(
     """
     start = time.perf_counter()
     compiled_at = functools.lru_cache(maxsize=None)(lambda b: compile_step(loss_fn, optimizer, params, batch_at(b)))
-    memory_at = lambda b: step_memory(*compiled_at(b), batch_at(b), params=params)  # noqa: E731
+
+    def memory_at(b: int) -> StepMemory:
+        compiled, state = compiled_at(b)
+        return step_memory(compiled, state, batch_at(b), params=params)
+
     batch, probes = largest_batch(lambda b: memory_at(b).total, budget, max_batch)
     b = max(batch, 1)
     update_cost = compiled_cost(compile_update(optimizer, params))

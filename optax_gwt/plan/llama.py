@@ -144,7 +144,7 @@ def make_mesh(sizes: dict) -> Mesh:
 def _wants(path: tuple, ndim: int) -> list:
     """The mesh axes each array axis would like (before divisibility), from the array's path."""
     names = {getattr(k, "key", None) for k in path}
-    wants = [()] * ndim
+    wants: list[tuple[str, ...]] = [()] * ndim
     if names & set(_COLUMN):
         wants[-1] = ("fsdp", "tensor")
     elif names & set(_ROW):
@@ -222,12 +222,11 @@ def make_optimizer(name: str, cfg: LlamaConfig, state_dtype: str = "float32") ->
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
     block = _modules(cfg)[1][1]
-    kwargs = dict(steps=10_000, level=int(level or 2))
-    if kind == "galore":
-        kwargs["galore_rank"] = modular.galore_rank_matching(block, kwargs["level"])
-    layers = modular.make_optimizer(kind, block, **kwargs)
+    steps, at_level = 10_000, int(level or 2)
+    rank = modular.galore_rank_matching(block, at_level) if kind == "galore" else None
+    layers = modular.make_optimizer(kind, block, steps=steps, level=at_level, galore_rank=rank)
     # embedding, head, final norm: the "other" group, AdamW (Adafactor when everything is)
-    model = modular.make_optimizer(kind if kind == "adafactor" else "adamw", block, steps=kwargs["steps"])
+    model = modular.make_optimizer(kind if kind == "adafactor" else "adamw", block, steps=steps)
     tx = optax.multi_transform({"layers": over_layers(layers), "model": model}, {"layers": "layers", "model": "model"})
     return state_in(state_dtype, tx)
 

@@ -108,10 +108,10 @@ def plot(rows: Sequence[dict], path: str, hbm_gib: float) -> None:
     left.axhline(hbm_gib, color="k", ls="--", lw=1, label=f"budget {hbm_gib:g} GiB")
     left.set(yscale="log", ylabel="GiB per device at micro-batch 1")
     right.set(ylabel="largest micro-batch per device")
-    sizes = {r["config"]: r["n_params"] / 1e9 for r in rows}
+    ticks = {r["config"]: r["n_params"] / 1e9 for r in rows}
     for ax in (left, right):  # one tick per model, named
         ax.set(xscale="log", xlabel="parameters (B)")
-        ax.set_xticks(list(sizes.values()), [f"{k}\n{v:.2g}" for k, v in sizes.items()], minor=False)
+        ax.set_xticks(list(ticks.values()), [f"{k}\n{v:.2g}" for k, v in ticks.items()], minor=False)
         ax.set_xticks([], minor=True)
     left.legend(fontsize=8)
     fig.tight_layout()

@@ -1,0 +1,107 @@
+"""The package as installed: one version, no import of the checkout's folders, one-line missing-extra errors."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import optax_gwt
+from optax_gwt import _extras
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "optax_gwt"
+
+
+def test_version_is_the_metadata_version():
+    assert optax_gwt.__version__ == importlib.metadata.version("optax-gwt")
+
+
+def test_pyproject_reads_the_version_from_the_package():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "optax_gwt.__version__"}
+    assert project["tool"]["setuptools"]["packages"]["find"]["include"] == ["optax_gwt", "optax_gwt.*"]
+    assert "py.typed" in project["tool"]["setuptools"]["package-data"]["optax_gwt"]
+    assert (PACKAGE / "py.typed").is_file()
+
+
+def _imported_modules(path: pathlib.Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_library_imports_nothing_from_the_checkout():
+    files = sorted(PACKAGE.rglob("*.py"))
+    assert len(files) > 10
+    bad = {
+        str(f.relative_to(ROOT)): sorted(
+            m for m in _imported_modules(f) if m.split(".")[0] in ("examples", "benchmarks", "tests")
+        )
+        for f in files
+    }
+    assert not {f: m for f, m in bad.items() if m}
+
+
+def test_import_optax_gwt_needs_no_optional_package():
+    code = (
+        "import sys, optax_gwt, optax_gwt.modular, optax_gwt.models.llama_config, optax_gwt.plan.__main__\n"
+        "print(sorted(m for m in ('flax', 'matplotlib', 'orbax', 'examples', 'benchmarks') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+def test_missing_extra_is_one_line_naming_the_extra(monkeypatch):
+    monkeypatch.setattr(_extras, "_importable", lambda package: package != "flax")
+    with pytest.raises(ImportError) as raised:
+        with _extras.requires("plan", "optax_gwt.plan.llama"):
+            raise ModuleNotFoundError("No module named 'flax'", name="flax")
+    assert isinstance(raised.value, _extras.MissingExtraError)
+    assert str(raised.value) == 'optax_gwt.plan.llama needs Flax: pip install "optax-gwt[plan]"'
+    assert raised.value.__suppress_context__  # no chained traceback
+    with pytest.raises(SystemExit) as exited:
+        with _extras.exit_on_missing():
+            _extras.check("plan", "optax_gwt.plan", "matplotlib", "flax")
+    assert exited.value.code == 'optax_gwt.plan needs Flax: pip install "optax-gwt[plan]"'
+
+
+def test_other_import_errors_pass_unchanged(monkeypatch):
+    monkeypatch.setattr(_extras, "_importable", lambda package: package != "flax")
+    with pytest.raises(ModuleNotFoundError) as raised:  # a dependency of Flax, not Flax: not translated
+        with _extras.requires("plan", "optax_gwt.plan.llama"):
+            raise ModuleNotFoundError("No module named 'msgpack'", name="msgpack")
+    assert not isinstance(raised.value, _extras.MissingExtraError)
+    with pytest.raises(ModuleNotFoundError):  # Flax installed, one of its submodules missing: a real error
+        with _extras.requires("plan", "optax_gwt.plan.llama"):
+            raise ModuleNotFoundError("No module named 'matplotlib.nope'", name="matplotlib.nope")
+
+
+HIDE_FLAX = """
+import runpy, sys
+class HideFlax:  # as if Flax were not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "flax":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, HideFlax())
+sys.argv[0] = "optax_gwt.plan"
+runpy.run_module("optax_gwt.plan", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_planner_cli_without_flax_prints_one_line(tmp_path):
+    """``python -m optax_gwt.plan`` where Flax is not installed: one line on stderr naming the extra, status 1."""
+    args = [sys.executable, "-c", HIDE_FLAX, "--config", "60m", "--optimizers", "adamw", "gwt-2"]
+    out = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 1, out
+    assert out.stdout == "" and out.stderr == 'optax_gwt.plan needs Flax: pip install "optax-gwt[plan]"\n'
