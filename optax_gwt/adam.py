@@ -178,8 +178,11 @@ def scale_by_reference_adam(
     `optax.scale_by_adam` only in where eps enters: here it is added to the
     uncorrected ``sqrt(v)`` (Kingma & Ba's "efficient" ordering). The state is
     `optax.ScaleByAdamState`: ``mu`` in `mu_dtype`, ``nu`` in `nu_dtype` (None:
-    the params' dtype). Moments and output are computed in float32 at least,
-    then cast: the output to the updates' dtype, the moments to their dtype.
+    the params' dtype). The moments are computed in float32 at least and
+    rounded to their dtypes; the output is computed from the moments as
+    stored (as the authors' PyTorch optimizer does with bfloat16 state; with
+    float32 moments nothing is rounded), in float32 at least, then cast to the
+    updates' dtype. So the step always equals its `Preconditioner`'s formula.
 
     Args:
       b1, b2, eps, bias_correction: Adam's constants, as above.
@@ -212,12 +215,18 @@ def scale_by_reference_adam(
         return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
     def moments(g, m, v, signal):
-        """``(m, v, ||m / (sqrt(v) + eps)||^2)`` of one leaf (the limiter's input)."""
+        """``(m, v, ||m / (sqrt(v) + eps)||^2)`` of one leaf, the moments in their state dtypes
+        and the limiter's input computed from them."""
         if cpu_kernel and signal is not None and _cpu_kernel.applies(signal[0], m, v):
             gradient, axis, block = signal
             return _cpu_kernel.haar_adam_moments(gradient, m, v, axis=axis, block=block, b1=b1, b2=b2, eps=eps)
-        m, v = _moment(g, m, b1, 1), _moment(g, v, b2, 2)
-        return m, v, jnp.sum(jnp.square(m / (jnp.sqrt(v) + eps)))
+        m, v = _moment(g, m, b1, 1).astype(m.dtype), _moment(g, v, b2, 2).astype(v.dtype)
+        return m, v, jnp.sum(jnp.square(_step(m, v)))
+
+    def _step(m, v):
+        """``m / (sqrt(v) + eps)`` from the moments as stored, in float32 at least."""
+        dt = jnp.promote_types(jnp.promote_types(m.dtype, v.dtype), jnp.float32)
+        return m.astype(dt) / (jnp.sqrt(v.astype(dt)) + eps)
 
     def step(updates, state, haar_signals):
         count = optax.safe_increment(state.count)
@@ -228,9 +237,7 @@ def scale_by_reference_adam(
         if bias_correction:
             t = count.astype(_scalar_dtype(updates))
             factor = jnp.sqrt(1 - b2**t) / (1 - b1**t)
-        out = jax.tree.map(lambda m, v, g: (factor * m / (jnp.sqrt(v) + eps)).astype(g.dtype), mu, nu, updates)
-        mu = jax.tree.map(lambda m, old: m.astype(old.dtype), mu, state.mu)
-        nu = jax.tree.map(lambda v, old: v.astype(old.dtype), nu, state.nu)
+        out = jax.tree.map(lambda m, v, g: (factor * _step(m, v)).astype(g.dtype), mu, nu, updates)
         return out, optax.ScaleByAdamState(count=count, mu=mu, nu=nu), sq_norms
 
     def update_fn(updates, state, params=None, **extra_args):

@@ -424,7 +424,6 @@ def _inverse_node(x: WaveletCoefficients, rule: str, bias_correct_details: bool,
         and clip is None
         and x.exact
         and x.spec.closed_form
-        and x.adam.mu.dtype == x.approx.dtype == x.adam.nu.dtype
     )
     if not fused:
         return inverse_leaf(x, _detail_weight(x, rule, bias_correct_details), clip)
