@@ -1,0 +1,199 @@
+"""The documentation holds: its code runs, its API reference is complete, its links and headline hold.
+
+- the runnable blocks of every docs/**/*.md page run as pasted (tests/markdown_blocks.py);
+- the docstring examples (``>>>``) of every module of optax_gwt run as doctests;
+- every name of ``optax_gwt.__all__`` and every public submodule has an entry in docs/api/;
+- the README's relative links and images exist, and so do the docs pages' links to files;
+- the README's headline table is the default study's report.
+
+The site itself is built by ``python -m sphinx -W -b html docs docs/_build/html`` (CI).
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import importlib.util
+import os
+import pkgutil
+import re
+
+import pytest
+
+import optax_gwt
+from markdown_blocks import DOCS, MARKER, README, REPO, block_id, blocks_of, doc_pages, marker_lines, read, run_block
+
+PAGES = doc_pages()
+BLOCKS = blocks_of(PAGES)
+API_PAGES = [p for p in PAGES if os.path.dirname(p) == os.path.join(DOCS, "api")]
+
+# ---------------------------------------------------------------------------
+# The docs pages' code blocks.
+# ---------------------------------------------------------------------------
+
+
+def test_pages_exist_and_have_runnable_blocks():
+    assert PAGES and BLOCKS, "no docs pages or no runnable block in docs/"
+
+
+@pytest.mark.parametrize("path", PAGES, ids=[os.path.relpath(p, REPO) for p in PAGES])
+def test_every_marker_is_on_a_python_block(path):
+    text = read(path)
+    assert marker_lines(text) == len(blocks_of([path])), f"a {MARKER} line not directly above a ```python fence"
+
+
+@pytest.mark.parametrize("path, line, code", BLOCKS, ids=[block_id(p, line) for p, line, _ in BLOCKS])
+def test_runnable_block_runs(path, line, code):
+    run_block(path, line, code)
+
+
+# ---------------------------------------------------------------------------
+# Doctests: the docstring examples of every module.
+# ---------------------------------------------------------------------------
+
+MODULES = sorted(
+    [m.name for m in pkgutil.walk_packages(optax_gwt.__path__, "optax_gwt.")] + ["optax_gwt"],
+)
+FLAX = importlib.util.find_spec("flax") is not None
+
+
+def _import(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        if not FLAX:  # a module of the plan extra, without Flax
+            pytest.skip(f"{name} needs Flax")
+        raise
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    module = _import(name)
+    finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    failures = []
+    for test in finder.find(module, name):  # each docstring with a copy of the module's globals
+        if test.filename and os.path.abspath(test.filename) != os.path.abspath(module.__file__):
+            continue  # a docstring of another module, imported into this one
+        runner.run(test, out=failures.append)
+    assert not failures, "".join(failures)
+
+
+# ---------------------------------------------------------------------------
+# The API reference.
+# ---------------------------------------------------------------------------
+
+_DIRECTIVE = re.compile(
+    r"^\s*\.\. (auto(?:function|class|data|module|exception))::\s+(\S+)[ \t]*\n((?:[ \t]+:[^\n]*\n)*)", re.M
+)
+_CURRENT = re.compile(r"^\s*\.\. currentmodule::\s+(\S+)", re.M)
+
+
+def documented() -> set[str]:
+    """Full names with an autodoc entry on the API pages; ``automodule`` with ``:members:`` counts its members."""
+    names: set[str] = set()
+    for page in API_PAGES:
+        text = read(page)
+        module = (_CURRENT.findall(text) or [""])[0]
+        for kind, name, options in _DIRECTIVE.findall(text):
+            name = name if name.startswith("optax_gwt") or not module else f"{module}.{name}"
+            names.add(name)
+            members = re.search(r":members:(.*)", options)
+            if kind == "automodule" and members:
+                listed = [m.strip() for m in members.group(1).split(",") if m.strip()]
+                names |= {f"{name}.{m}" for m in listed or getattr(importlib.import_module(name), "__all__", [])}
+    return names
+
+
+def public_submodules() -> list[str]:
+    return [m for m in MODULES if m != "optax_gwt" and not any(p.startswith("_") for p in m.split("."))]
+
+
+def test_every_public_name_is_in_the_api_reference():
+    entries = documented()
+    missing = [n for n in optax_gwt.__all__ if f"optax_gwt.{n}" not in entries]
+    assert not missing, f"names of optax_gwt.__all__ with no entry in docs/api/*.md: {missing}"
+
+
+def test_every_public_submodule_and_its_names_are_in_the_api_reference():
+    """Each public submodule has an automodule entry; each name of its __all__ an entry there or at the top."""
+    entries = documented()
+    missing = [m for m in public_submodules() if m not in entries]
+    assert not missing, f"public submodules with no automodule entry in docs/api/*.md: {missing}"
+    for name in public_submodules():
+        module = _import(name)
+        for member in getattr(module, "__all__", []):
+            top = member in optax_gwt.__all__ and getattr(optax_gwt, member) is getattr(module, member)
+            same = [m for m in entries if m.rsplit(".", 1)[-1] == member and m.rsplit(".", 1)[0] in public_submodules()]
+            same = [m for m in same if getattr(_import(m.rsplit(".", 1)[0]), member, None) is getattr(module, member)]
+            if not (f"{name}.{member}" in entries or top or same):
+                missing.append(f"{name}.{member}")
+    assert not missing, f"names of public submodules' __all__ with no entry in docs/api/*.md: {missing}"
+
+
+# ---------------------------------------------------------------------------
+# Links.
+# ---------------------------------------------------------------------------
+
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _links(path: str) -> list[str]:
+    text = re.sub(r"^```.*?^```", "", read(path), flags=re.S | re.M)  # not inside code blocks
+    return [t for t in _LINK.findall(text) if not re.match(r"[a-z]+:", t)]  # relative ones
+
+
+@pytest.mark.parametrize("path", [README, *PAGES], ids=[os.path.relpath(p, REPO) for p in [README, *PAGES]])
+def test_relative_links_exist(path):
+    bad = []
+    for target in _links(path):
+        file, _, anchor = target.partition("#")
+        where = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
+        if not os.path.exists(where):
+            bad.append(target)
+        elif anchor and where.endswith(".md"):
+            headings = re.findall(r"^#+\s+(.*)$", read(where), flags=re.M)
+            if anchor not in {_slug(h) for h in headings}:
+                bad.append(target)
+    assert not bad, f"links of {os.path.relpath(path, REPO)} to nothing: {bad}"
+
+
+def test_readme_links_into_every_docs_section():
+    linked = {os.path.normpath(os.path.join(REPO, t.partition("#")[0])) for t in _links(README)}
+    top = [p for p in PAGES if os.path.dirname(p) == DOCS and not p.endswith("index.md")]
+    missing = [os.path.relpath(p, REPO) for p in top if p not in linked]
+    assert not missing, f"docs pages the README does not link to: {missing}"
+
+
+# ---------------------------------------------------------------------------
+# The README's headline table is the default study's.
+# ---------------------------------------------------------------------------
+
+STUDY_REPORT = os.path.join(REPO, "results", "study", "default-report", "report.md")
+
+
+def _rows(text: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines() if line.startswith("|")]
+
+
+def test_headline_table_is_the_default_study():
+    text = read(README)
+    table = text.split("<!-- headline-table:start -->", 1)[1].split("<!-- headline-table:end -->", 1)[0]
+    header, _, *rows = _rows(table)
+    report = {row[0]: row for row in _rows(read(STUDY_REPORT))}
+    column = {name: header.index(name) for name in header}
+    assert len(rows) >= 4
+    for row in rows:
+        name = row[column["`--optimizer`"]].strip("`")
+        ref = report[name]  # | optimizer | lr | alpha | other | val loss ... | tried | state MiB | matrix MiB | ratio | ...
+        loss = row[column["val loss (3 seeds)"]].strip("*")
+        assert ref[4].startswith(loss) and ref[4].endswith("(3)"), (name, loss, ref[4])
+        assert row[column["state MiB"]] == ref[6] and row[column["matrices' state MiB"]] == ref[7], (name, ref)
+        assert row[column["matrices' state / AdamW's"]] == ref[8], (name, ref)
+        lr, *alpha = [s.strip() for s in row[column["lr, alpha"]].split(",")]
+        assert lr == ref[1] and (not alpha or alpha[0] == ref[2]), (name, ref)
