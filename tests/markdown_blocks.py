@@ -51,7 +51,7 @@ def block_id(path: str, line: int) -> str:
     return f"{os.path.relpath(path, REPO)}:{line}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def run_block(path: str, line: int, code: str) -> str:
     """Executes one block as a script would run it; returns what it printed (once per block)."""
     out = io.StringIO()

@@ -178,7 +178,9 @@ STUDY_REPORT = os.path.join(REPO, "results", "study", "default-report", "report.
 
 
 def _rows(text: str) -> list[list[str]]:
-    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines() if line.startswith("|")]
+    return [
+        [c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines() if line.startswith("|")
+    ]
 
 
 def test_headline_table_is_the_default_study():
@@ -190,7 +192,8 @@ def test_headline_table_is_the_default_study():
     assert len(rows) >= 4
     for row in rows:
         name = row[column["`--optimizer`"]].strip("`")
-        ref = report[name]  # | optimizer | lr | alpha | other | val loss ... | tried | state MiB | matrix MiB | ratio | ...
+        # The report's columns: optimizer, lr, alpha, other, val loss, tried, state MiB, matrix MiB, ratio, ...
+        ref = report[name]
         loss = row[column["val loss (3 seeds)"]].strip("*")
         assert ref[4].startswith(loss) and ref[4].endswith("(3)"), (name, loss, ref[4])
         assert row[column["state MiB"]] == ref[6] and row[column["matrices' state MiB"]] == ref[7], (name, ref)

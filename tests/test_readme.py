@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -25,7 +26,7 @@ def test_quickstart_loss_falls():
     """The first runnable block is the Quickstart: it prints ``loss X`` per step, falling."""
     printed = run_block(*BLOCKS[0])
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", printed)]
-    assert len(losses) >= 3 and all(b < a for a, b in zip(losses, losses[1:])), printed
+    assert len(losses) >= 3 and all(b < a for a, b in itertools.pairwise(losses)), printed
 
 
 def test_readme_is_a_front_page():

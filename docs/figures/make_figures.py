@@ -16,14 +16,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle  # noqa: E402
+import jax
+import jax.numpy as jnp
+import matplotlib.pyplot as plt
+import optax
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
 
-import optax  # noqa: E402
-import optax_gwt  # noqa: E402
-from optax_gwt import wavelets  # noqa: E402
+import optax_gwt
+from optax_gwt import wavelets
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gwt_stages.png")
 N, M, LEVEL = 64, 32, 2  # the quickstart's matrix: w is 64 x 32, level 2
@@ -40,7 +40,7 @@ def layout(ax) -> None:
     ax.annotate("", xy=(-4, 0), xytext=(-4, N), arrowprops=dict(arrowstyle="->", color=COLORS["edge"]))
     ax.text(-6, N / 2, "axis 0 (transformed)", rotation=90, ha="right", va="center", fontsize=9)
     x0, top = M + 18, N
-    for name, length in zip(names, lengths):
+    for name, length in zip(names, lengths, strict=True):
         color = COLORS["A"] if name == "A" else COLORS["D"]
         ax.add_patch(Rectangle((x0, top - length), M, length, facecolor=color, edgecolor=COLORS["edge"], alpha=0.85))
         ax.text(x0 + M / 2, top - length / 2, f"{name}: {length} x {M}", ha="center", va="center", fontsize=9)
@@ -86,7 +86,12 @@ def chain(ax) -> None:
         y = -i * (height + gap)
         ax.add_patch(
             FancyBboxPatch(
-                (0, y - height), 10, height, boxstyle="round,pad=0.05", facecolor=COLORS["stage"], edgecolor=COLORS["edge"]
+                (0, y - height),
+                10,
+                height,
+                boxstyle="round,pad=0.05",
+                facecolor=COLORS["stage"],
+                edgecolor=COLORS["edge"],
             )
         )
         ax.text(0.3, y - 0.33, f"{i + 1}. {name}", fontsize=10, family="monospace", va="center")
