@@ -43,7 +43,9 @@ def llama_params(cfg: LlamaConfig, seed: int = 0, only_attention_mlp: bool = Fal
     """Random parameters (normal, std 0.02) of a model; or only its attention and MLP kernels."""
     rng = np.random.default_rng(seed)
     shapes = llama_shapes(cfg)
-    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+
+    def is_shape(x) -> bool:
+        return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
 
     def make(path, shape):
         if only_attention_mlp and not is_attention_or_mlp(path):

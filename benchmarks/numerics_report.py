@@ -49,7 +49,10 @@ def _inputs(seed: int):
 
 def _trajectory(params, grads, dtype, mu_dtype=None, nu_dtype=None, round_to=None):
     opt = optax_gwt.gwt_adamw(1e-2, level=2, weight_decay=0.1, mu_dtype=mu_dtype, nu_dtype=nu_dtype)
-    cast = lambda t, d: jax.tree_util.tree_map(lambda x: jnp.asarray(x, d), t)
+
+    def cast(t, d):
+        return jax.tree_util.tree_map(lambda x: jnp.asarray(x, d), t)
+
     p = cast(params, dtype)
     state = opt.init(p)
     update = jax.jit(opt.update)
@@ -94,7 +97,7 @@ def bf16_nu_drift(steps=(100, 1000, 5000)) -> list[str]:
         nus = {}
         for d, opt in adam.items():
 
-            def body(state, k):
+            def body(state, k, opt=opt):
                 _, state = opt.update(jax.random.normal(k, (4096,)), state)
                 return state, None
 
@@ -154,8 +157,8 @@ def clip_headroom(clips=(1.0, 2.0, 5.0, 10.0, 100.0), steps=50) -> list[str]:
         def body(states, k):
             g = {"w": jax.random.normal(k, shape)}
             u, s1 = full.update(g, states[0])
-            l, s2 = low.update(g, states[1])
-            return (s1, s2), jnp.abs(u["w"] - l["w"])
+            low_u, s2 = low.update(g, states[1])
+            return (s1, s2), jnp.abs(u["w"] - low_u["w"])
 
         p = {"w": jnp.zeros(shape)}
         _, high = jax.lax.scan(body, (full.init(p), low.init(p)), jax.random.split(key, steps))

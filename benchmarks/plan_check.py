@@ -21,7 +21,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 CASES = [(c, o) for c in ("60m", "130m") for o in ("adamw", "gwt-2")]
 MIB = 2**20
@@ -92,7 +92,8 @@ def run_case(config: str, optimizer: str, batch: int, seq_len: int) -> dict:
 
 def markdown(results: Sequence[dict]) -> str:
     lines = [
-        "| model | optimizer | batch x seq | estimate MiB (params / state / temps) | measured peak MiB | estimate / measured | state = optimizer_state_bytes |",
+        "| model | optimizer | batch x seq | estimate MiB (params / state / temps) | measured peak MiB "
+        "| estimate / measured | state = optimizer_state_bytes |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -105,7 +106,7 @@ def markdown(results: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--one", nargs=2, metavar=("CONFIG", "OPTIMIZER"), help="measure one case in this process")
     p.add_argument("--batch", type=int, default=8)

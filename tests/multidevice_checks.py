@@ -9,7 +9,6 @@ import functools
 import os
 import re
 import sys
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,7 @@ import optax_gwt
 from optax_gwt.sharding import per_device_bytes, state_partition_specs, state_shardings, unsharded_axis
 
 sys.path.insert(0, os.path.dirname(__file__))
-import sharded_train  # noqa: E402
+import sharded_train
 
 if jax.device_count() != 8:
     pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8", allow_module_level=True)
@@ -82,21 +81,21 @@ def chosen_axes(specs, axis) -> tuple:
     return tuple(axis if v.ndim >= 2 else None for _, v in sorted(params0().items()))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gwt(axes: tuple):
     """GWT-AdamW with the given per-param axes (cached: one compiled reference per choice)."""
-    return optax_gwt.gwt_adamw(1e-3, weight_decay=0.1, axis=dict(zip(sorted(PARAMS), axes)))
+    return optax_gwt.gwt_adamw(1e-3, weight_decay=0.1, axis=dict(zip(sorted(PARAMS), axes, strict=True)))
 
 
 def grads_at(step: int):
     keys = jax.random.split(jax.random.PRNGKey(100 + step), len(PARAMS))
     return {
         k: (step + 1) * jax.random.normal(kk, v.shape, jnp.float32)
-        for (k, v), kk in zip(sorted(params0().items()), keys)
+        for (k, v), kk in zip(sorted(params0().items()), keys, strict=True)
     }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_updates(axes: tuple, steps: int):
     """One device: the updates and states of `steps` GWT steps on `grads_at`."""
     opt, params = gwt(axes), params0()
@@ -108,7 +107,7 @@ def reference_updates(axes: tuple, steps: int):
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_training(axes: tuple, steps: int):
     """One device: the losses and final params of `steps` training steps."""
     opt, params = gwt(axes), params0()
@@ -122,7 +121,7 @@ def reference_training(axes: tuple, steps: int):
 
 def assert_trees_close(actual, expected, rtol):
     """Each leaf within rtol of its largest entry (an update's scale), leaf by leaf."""
-    for a, e in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected)):
+    for a, e in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected), strict=True):
         e = np.asarray(e)
         np.testing.assert_allclose(np.asarray(a), e, rtol=rtol, atol=rtol * max(np.max(np.abs(e)), 1e-30))
 
@@ -163,12 +162,12 @@ def test_sharded_update_equals_single_device(name):
     for t, expected in enumerate(reference_updates(axes, 3)):
         updates, state = update(jax.device_put(grads_at(t), psh), state, jax.device_put(params, psh))
         assert_trees_close((updates, state), expected, rtol=1e-5)
-    for leaf, sharding in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(ssh)):
+    for leaf, sharding in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(ssh), strict=True):
         assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
 
 
-@functools.lru_cache(maxsize=None)
-def sharded_training_step(name: str, optimizer: Optional[optax.GradientTransformation] = None):
+@functools.cache
+def sharded_training_step(name: str, optimizer: optax.GradientTransformation | None = None):
     """The compiled train step of a case (GWT, or `optimizer`), and the params', state's and batch's shardings."""
     axes_of_mesh, specs, bspec, axis = CASES[name]
     mesh = mesh_of(axes_of_mesh)
@@ -205,9 +204,9 @@ def test_sharded_training_equals_single_device(name):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     moved = max(
         float(np.max(np.abs(a - b)))
-        for a, b in zip(jax.tree_util.tree_leaves(ref_params), jax.tree_util.tree_leaves(params))
+        for a, b in zip(jax.tree_util.tree_leaves(ref_params), jax.tree_util.tree_leaves(params), strict=True)
     )
-    for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(ref_params)):
+    for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(ref_params), strict=True):
         np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=1e-3 * moved)
 
 
@@ -239,7 +238,7 @@ def test_state_bytes_per_device_fall_with_devices():
         state = jax.jit(opt.init, out_shardings=ssh)(params)
         device = mesh.devices.flat[0]
 
-        def held(tree):
+        def held(tree, device=device):
             return sum(
                 s.data.nbytes
                 for leaf in jax.tree_util.tree_leaves(tree)
@@ -287,7 +286,7 @@ def test_explicit_axes_mesh():
         for t, expected in enumerate(reference_updates(axes, 3)):
             updates, state = update(jax.device_put(grads_at(t), psh), state, jax.device_put(params, psh))
             assert_trees_close((updates, state), expected, rtol=1e-5)
-    for leaf, sharding in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(ssh)):
+    for leaf, sharding in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(ssh), strict=True):
         assert leaf.sharding.spec == sharding.spec
 
 
@@ -302,7 +301,7 @@ EXPLICIT_CASES = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def explicit_case_on_one_device(case: int):
     """The case's GWT, params, 3 gradients and their updates on one device (cached: both
     parametrizations of a case compare with the same reference)."""
@@ -333,7 +332,7 @@ def test_explicit_mesh_transform_axis_sharded_or_not(case, use_helper):
         ss = state_shardings(tx, params, sp) if use_helper else None
         state = jax.jit(tx.init, out_shardings=ss)(ps)
         update = jax.jit(tx.update, out_shardings=(sp, ss) if use_helper else None)
-        for g, want in zip(grads, single):
+        for g, want in zip(grads, single, strict=True):
             u, state = update(jax.device_put(g, sp), state, ps)
             assert jax.typeof(u["w"]).sharding.spec == jax.typeof(ps["w"]).sharding.spec
             np.testing.assert_allclose(
@@ -362,9 +361,11 @@ def test_eager_init_state_follows_the_params(make):
     specs = {"w": P(None, "fsdp"), "t": P("fsdp")}  # t: its transform axis 0 is the split one, 40 / 4 = 10 rows
     sharded = jax.device_put(params, shardings(mesh, specs))
     state = make().init(sharded)
-    of_type = lambda kind: [
-        s for s in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, kind)) if isinstance(s, kind)
-    ][0]
+
+    def of_type(kind):
+        leaves = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, kind))
+        return [s for s in leaves if isinstance(s, kind)][0]
+
     moments = of_type(optax_gwt.OnApproximationState).inner_state
     for moment in (moments.mu, moments.nu):
         assert moment["w"].sharding.spec == P(None, "fsdp") and len(moment["w"].sharding.device_set) == 8

@@ -27,7 +27,8 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 IN, HIDDEN, OUT, BATCH = 32, 64, 32, 16
 
@@ -45,7 +46,7 @@ def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
 AXES = ("data", "fsdp", "model")
 
 
-def make_mesh(text: str, devices: Optional[Sequence[Any]] = None):
+def make_mesh(text: str, devices: Sequence[Any] | None = None):
     """A mesh with the axes data, fsdp and model; those `text` leaves out have size 1.
 
     Every run names all three axes, so the params' PartitionSpecs, hence GWT's
@@ -59,7 +60,7 @@ def make_mesh(text: str, devices: Optional[Sequence[Any]] = None):
     unknown = set(names) - set(AXES)
     if unknown:
         raise ValueError(f"unknown mesh axes {sorted(unknown)}; use {AXES}")
-    size = dict(zip(names, sizes))
+    size = dict(zip(names, sizes, strict=True))
     shape = tuple(size.get(a, 1) for a in AXES)
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
@@ -193,7 +194,7 @@ def train(run: Run, params, opt_state, start: int, stop: int):
     return params, opt_state, losses
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mesh", default="data=1", help="mesh axes and sizes, e.g. data=2,fsdp=4")
     p.add_argument("--steps", type=int, required=True, help="train until this step")

@@ -73,7 +73,7 @@ def reference_trajectory(params, grads_seq, labels_fn=reference_labels, b1=B1, b
     """Adam-mini's updates for a sequence of gradients, in float64, one array at a time."""
     paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(params)]
     shapes = [np.shape(x) for x in jax.tree.leaves(params)]
-    labels = [labels_fn(p, s) for p, s in zip(paths, shapes)]
+    labels = [labels_fn(p, s) for p, s in zip(paths, shapes, strict=True)]
     m = [np.zeros(int(np.prod(s))) for s in shapes]
     v = [np.zeros(lab.max() + 1) for lab in labels]
     out = []
@@ -115,7 +115,7 @@ def test_matches_numpy_reference_float64(x64):
     params = _params(jnp.float64)
     grads_seq = [_grads(params, s) for s in range(6)]
     got, state = _trajectory(_mini(), params, grads_seq)
-    for g, want in zip(got, reference_trajectory(params, grads_seq)):
+    for g, want in zip(got, reference_trajectory(params, grads_seq), strict=True):
         _close(g, want, rtol=1e-12, atol=1e-14)
     nu = state.nu
     assert nu["layers"]["attn"]["q_proj"]["kernel"].shape == (1, HEADS, 1)
@@ -131,7 +131,7 @@ def test_user_partitions_match_reference(x64):
     grads_seq = [_grads(params, s) for s in range(4)]
     rows = lambda path, shape: np.repeat(np.arange(shape[0]), shape[1])  # noqa: E731
     got, _ = _trajectory(optax_gwt.scale_by_adam_mini(B1, B2, EPS, block_axes=lambda p, x: (1,)), params, grads_seq)
-    for g, want in zip(got, reference_trajectory(params, grads_seq, rows)):
+    for g, want in zip(got, reference_trajectory(params, grads_seq, rows), strict=True):
         _close(g, want, rtol=1e-12, atol=1e-14)
     torch_layout = optax_gwt.scale_by_adam_mini(B1, B2, EPS, block_axes=optax_gwt.adam_mini_blocks(output_axis=0))
     _close(_trajectory(torch_layout, params, grads_seq)[0], got, rtol=0, atol=0)
@@ -149,7 +149,7 @@ def test_head_blocks_on_the_input_axis(x64):
     tx = optax_gwt.scale_by_adam_mini(B1, B2, EPS, block_axes=lambda p, x: optax_gwt.head_blocks(x, 3, head_axis=0))
     got, state = _trajectory(tx, params, grads_seq)
     heads = lambda path, shape: np.repeat(np.arange(3), 2 * 5)  # noqa: E731
-    for g, want in zip(got, reference_trajectory(params, grads_seq, heads)):
+    for g, want in zip(got, reference_trajectory(params, grads_seq, heads), strict=True):
         _close(g, want, rtol=1e-12, atol=1e-14)
     assert state.nu["attn"]["wq"].shape == (3, 1, 1)
 
@@ -185,7 +185,7 @@ def test_chain_with_learning_rate():
     grads_seq = [_grads(params, s) for s in range(3)]
     got, _ = _trajectory(optax.chain(_mini(), optax.scale_by_learning_rate(0.1)), params, grads_seq)
     want = reference_trajectory(params, grads_seq)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         _close(g, jax.tree.map(lambda x: -0.1 * x, w), rtol=2e-5, atol=1e-6)
 
 

@@ -248,7 +248,10 @@ def test_other_base_optimizers(name):
     shapes = [x.shape for x in jax.tree_util.tree_leaves(state) if x.ndim]
     assert max(int(np.prod(s)) for s in shapes) <= 64 * 32 // 4, shapes
     target = jnp.asarray(np.random.default_rng(1).standard_normal((64, 32)), jnp.float32)
-    loss = lambda p: jnp.mean((p["w"] - target) ** 2)
+
+    def loss(p):
+        return jnp.mean((p["w"] - target) ** 2)
+
     step = jax.jit(lambda p, s: (lambda g: opt.update(g, s, p))(jax.grad(loss)(p)))
     start = float(loss(params))
     for _ in range(50):

@@ -1,4 +1,6 @@
-"""The LLaMA example's run directory and crash-safe training: SIGKILL between checkpoints, partial and foreign checkpoints.
+"""The LLaMA example's run directory and crash-safe training.
+
+SIGKILL between checkpoints, partial and foreign checkpoints.
 
 One training process is killed (slow: a subprocess); the checks of the run
 directory and of partial, foreign and damaged checkpoints share one short
@@ -22,7 +24,7 @@ import pytest
 
 pytest.importorskip("orbax.checkpoint")
 from examples.llama import rundir, train
-from examples.llama.checkpoint import CheckpointError, Checkpointer
+from examples.llama.checkpoint import Checkpointer, CheckpointError
 
 # Orbax's reads of a damaged checkpoint leave failed coroutines behind; the error itself is what is tested.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

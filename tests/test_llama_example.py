@@ -122,7 +122,7 @@ def test_labels_put_attention_and_mlp_kernels_in_the_matrix_group():
     for path, label in nnx.to_flat_state(labels):
         want = "matrix" if id(_variable(m, path)) in inside else "other"
         assert label.get_value() == want, (path, label)
-    assert sum(l.get_value() == "matrix" for _, l in nnx.to_flat_state(labels)) == 7 * cfg.num_layers
+    assert sum(label.get_value() == "matrix" for _, label in nnx.to_flat_state(labels)) == 7 * cfg.num_layers
     for name in (("embed", "embedding"), ("lm_head", "kernel"), ("final_norm", "scale")):
         assert dict(nnx.to_flat_state(labels))[name].get_value() == "other"
     assert len(variables) == len(list(nnx.to_flat_state(labels)))
@@ -143,9 +143,9 @@ def test_modular_adamw_scales_matrix_updates_by_alpha(one_layer):
     u1, _ = jax.jit(one.update)(grads, one.init(params), params)
     u2, _ = jax.jit(mod.update)(grads, mod.init(params), params)
     labels = jax.tree.leaves(optimizers.param_labels(params))
-    for a, b, l in zip(jax.tree.leaves(u1), jax.tree.leaves(u2), labels):
+    for a, b, label in zip(jax.tree.leaves(u1), jax.tree.leaves(u2), labels, strict=True):
         np.testing.assert_allclose(
-            np.asarray(b), np.asarray(a) * (alpha if l == "matrix" else 1.0), rtol=1e-6, atol=1e-12
+            np.asarray(b), np.asarray(a) * (alpha if label == "matrix" else 1.0), rtol=1e-6, atol=1e-12
         )
 
 
@@ -164,8 +164,8 @@ def test_gwt_matches_gwt_adamw_on_matrices_with_scale_alpha_applied_once(one_lay
     }
     # One jitted first update per group, compiled once per shape.
     first_update = {label: jax.jit(lambda g, ref=ref: ref.update(g, ref.init(g), g)[0]) for label, ref in refs.items()}
-    for g, u, l in zip(jax.tree.leaves(grads), jax.tree.leaves(upd), labels):
-        np.testing.assert_allclose(np.asarray(u), np.asarray(first_update[l](g)), rtol=1e-6, atol=1e-12)
+    for g, u, label in zip(jax.tree.leaves(grads), jax.tree.leaves(upd), labels, strict=True):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(first_update[label](g)), rtol=1e-6, atol=1e-12)
 
 
 def test_state_memory_of_the_groups():
@@ -180,9 +180,12 @@ def test_state_memory_of_the_groups():
     assert lion == adam / 2 / 4 + 4 * n_matrices  # Lion keeps one moment
     rank = optimizers.galore_rank_matching(params, level=2)
     gwt2 = optimizers.matrix_state_bytes(optimizers.make_optimizer("gwt", params, steps=10, level=2), params)
-    galore = lambda r: optimizers.matrix_state_bytes(
-        optimizers.make_optimizer("galore", params, steps=10, galore_rank=r), params
-    )
+
+    def galore(r):
+        return optimizers.matrix_state_bytes(
+            optimizers.make_optimizer("galore", params, steps=10, galore_rank=r), params
+        )
+
     assert galore(rank) <= gwt2 < galore(rank + 1)
 
 
@@ -210,7 +213,10 @@ def test_local_files_loader_windows_come_from_the_right_split(corpus):
     )
     tok, train_loader, val = data.make_data(spec)
     split = data.split_files(*data.list_files(spec.source), 0.25)
-    text = lambda files: b"".join(open(f, "rb").read() + b"\x00" for f in files)
+
+    def text(files):
+        return b"".join(open(f, "rb").read() + b"\x00" for f in files)
+
     train_text, val_text = text(split["train"]), text(split["validation"])
     assert val.shape == (2, 4, 33)
     for row in val.reshape(-1, 33):
@@ -259,10 +265,10 @@ def test_c4_source_streams_through_datasets_and_resumes(tmp_path):
     )
     tok, loader, val = data.make_data(spec)
     assert isinstance(loader, data.StreamLoader) and val.shape == (1, 2, 65)
-    val_docs = "".join(json.loads(l)["text"] for l in open(files["validation"]))
+    val_docs = "".join(json.loads(line)["text"] for line in open(files["validation"]))
     assert tok.decode(val[0, 0, :20]) in val_docs
     batches = [next(loader) for _ in range(6)]
-    train_docs = "".join(json.loads(l)["text"] for l in open(files["train"]))
+    train_docs = "".join(json.loads(line)["text"] for line in open(files["train"]))
     piece = batches[0][0]
     piece = piece[: np.argmax(piece == tok.eos_id) if tok.eos_id in piece else None]
     assert tok.decode(piece) in train_docs
@@ -320,13 +326,16 @@ def test_train_checkpoint_resume_is_bit_for_bit(corpus, tmp_path):
     run_dir = str(tmp_path / "b")
     first = train.run(train.parse_args(common + ["--run-dir", run_dir, "--save-every", "3", "--stop-at", "3"]))
     second = train.run(train.parse_args(["--resume", run_dir]))
-    losses = lambda h: [r["loss"] for r in h]
+
+    def losses(h):
+        return [r["loss"] for r in h]
+
     assert losses(first["history"]) + losses(second["history"]) == losses(full["history"])
     assert [r["step"] for r in second["history"]] == [4, 5, 6]
     assert second["summary"]["final_val_loss"] == full["summary"]["final_val_loss"]
-    for a, b in zip(jax.tree.leaves(full["params"]), jax.tree.leaves(second["params"])):
+    for a, b in zip(jax.tree.leaves(full["params"]), jax.tree.leaves(second["params"]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    records = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
     assert full["history"][-1]["loss"] < full["history"][0]["loss"]
@@ -337,11 +346,14 @@ def test_gradient_accumulation_matches_one_big_batch(one_layer):
     graphdef, params, _ = one_layer
     tx = optax.sgd(1.0)
     batch = (np.arange(4 * 33).reshape(4, 33) * 7 % 258).astype(np.int32)
-    copy = lambda t: jax.tree.map(jnp.array, t)
+
+    def copy(t):
+        return jax.tree.map(jnp.array, t)
+
     p1, _, m1 = train.make_train_step(graphdef, tx, 1)(copy(params), tx.init(params), batch)
     p2, _, m2 = train.make_train_step(graphdef, tx, 2)(copy(params), tx.init(params), batch)
     np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
@@ -365,7 +377,9 @@ def test_compare_writes_table_and_plot(corpus, tmp_path):
 
 
 def test_readme_tables_are_the_saved_results_and_regenerate(tmp_path, monkeypatch, capsys):
-    """The README's results tables are those of results/llama and results/llama-long; --report --readme rewrites one block."""
+    """The README's results tables are those of results/llama and results/llama-long.
+
+    ``--report --readme`` rewrites one block."""
     monkeypatch.chdir(REPO)
     readme = open("README.md").read()
     for directory in ("results/llama", "results/llama-long"):

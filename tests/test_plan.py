@@ -43,7 +43,9 @@ def total(tx, params, b, width=64) -> plan.StepMemory:
 
 def test_largest_batch_is_exact_with_few_probes():
     for per, fixed, budget in [(100, 1000, 5050), (37, 0, 10_000), (1, 5, 6)]:
-        batch, probes = plan.largest_batch(lambda b: fixed + per * b + (b * b) // 50, budget, max_batch=500)
+        batch, probes = plan.largest_batch(
+            lambda b, fixed=fixed, per=per: fixed + per * b + (b * b) // 50, budget, max_batch=500
+        )
         expected = max(b for b in range(1, 501) if fixed + per * b + (b * b) // 50 <= budget)
         assert batch == expected and len(probes) <= 12
     assert plan.largest_batch(lambda b: 10 * b, 5) == (0, {1: 10})

@@ -12,12 +12,11 @@ import pytest
 import pywt
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402  (after the importorskip)
 
-import optax_gwt
-from optax_gwt import wavelets
-from reference import ReferenceGWTAdamW
+import optax_gwt  # noqa: E402
+from optax_gwt import wavelets  # noqa: E402
+from reference import ReferenceGWTAdamW  # noqa: E402
 
 SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 WAVELETS = ["haar", "db2", "db3", "sym4", "coif1"]
@@ -64,7 +63,7 @@ def test_wavedec_equals_pywavelets_and_reconstructs(shape_axis, wavelet, mode, d
     assert [c.shape for c in got] == [c.shape for c in want]
     assert [c.shape[axis] for c in got] == wavelets.coeff_lengths(n, wavelet, level, mode)
     scale = max(1.0, max(np.abs(c).max() for c in want))
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), w, atol=2e-5 * scale)
     back = np.asarray(_waverec(got, wavelet, mode, axis))
     np.testing.assert_allclose(np.take(back, np.arange(n), axis=axis), x, atol=2e-5 * scale)

@@ -38,7 +38,7 @@ def test_wavedec_waverec_equal_pywt(wavelet, mode):
                 continue
             got = wavelets.wavedec(jnp.asarray(x), wavelet, mode, level, axis=1)
             assert len(got) == len(ref)
-            for r, g in zip(ref, got):
+            for r, g in zip(ref, got, strict=True):
                 assert g.shape == r.shape, (n, level)
                 np.testing.assert_allclose(np.asarray(g), r, rtol=1e-12, atol=1e-12)
             assert [c.shape[1] for c in ref] == wavelets.coeff_lengths(n, wavelet, level, mode)
@@ -54,11 +54,11 @@ def test_any_axis_any_rank(axis):
     for wavelet in ("haar", "db2"):
         ref = _pywt_wavedec(x, wavelet, "symmetric", 2, axis)
         got = wavelets.wavedec(jnp.asarray(x), wavelet, "symmetric", 2, axis)
-        for r, g in zip(ref, got):
+        for r, g in zip(ref, got, strict=True):
             np.testing.assert_allclose(np.asarray(g), r, rtol=1e-12, atol=1e-12)
     x1 = np.random.default_rng(2).standard_normal(11)
     ref = _pywt_wavedec(x1, "db2", "zero", 2, -1)
-    for r, g in zip(ref, wavelets.wavedec(jnp.asarray(x1), "db2", "zero", 2)):
+    for r, g in zip(ref, wavelets.wavedec(jnp.asarray(x1), "db2", "zero", 2), strict=True):
         np.testing.assert_allclose(np.asarray(g), r, rtol=1e-12, atol=1e-12)
 
 
@@ -73,7 +73,7 @@ def test_pywavelets_defaults_and_wavelet_objects():
     x = np.random.default_rng(6).standard_normal((3, 21))
     ref = pywt.wavedec(x, pywt.Wavelet("sym3"), level=2)  # pywt's default mode: symmetric, axis -1
     got = wavelets.wavedec(jnp.asarray(x), pywt.Wavelet("sym3"), level=2)
-    for r, g in zip(ref, got):
+    for r, g in zip(ref, got, strict=True):
         np.testing.assert_allclose(np.asarray(g), r, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(
         np.asarray(wavelets.waverec(got, "sym3")), pywt.waverec(ref, "sym3"), rtol=1e-12, atol=1e-12
@@ -107,8 +107,11 @@ def test_haar_has_no_convolution():
 @pytest.mark.slow
 def test_jit_vmap_grad():
     x = jnp.asarray(np.random.default_rng(5).standard_normal((4, 21)))
-    f = lambda v: wavelets.wavedec(v, "sym4", "periodization", 2)
-    for a, b in zip(jax.jit(f)(x), jax.vmap(f)(x)):
+
+    def f(v):
+        return wavelets.wavedec(v, "sym4", "periodization", 2)
+
+    for a, b in zip(jax.jit(f)(x), jax.vmap(f)(x), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
     # Orthonormal periodization transform of an even length preserves the norm:
     # d/dx ||wavedec(x)||^2 = 2x.

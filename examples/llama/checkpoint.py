@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -82,7 +82,7 @@ class Checkpointer:
         and compared on `restore`; None skips that check.
     """
 
-    def __init__(self, directory: str, max_to_keep: int = 2, run: Optional[dict] = None):
+    def __init__(self, directory: str, max_to_keep: int = 2, run: dict | None = None):
         self.run = None if run is None else json.loads(json.dumps(run))  # as it reads back (tuples -> lists)
         self.manager = ocp.CheckpointManager(
             os.path.abspath(directory), options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
@@ -105,11 +105,11 @@ class Checkpointer:
             ),
         )
 
-    def latest_step(self) -> Optional[int]:
+    def latest_step(self) -> int | None:
         """The newest complete step (a save cut short is not one), or None."""
         return self.manager.latest_step()
 
-    def restore(self, params: Any, opt_state: Any, data_loader, step: Optional[int] = None) -> tuple[Any, Any, int]:
+    def restore(self, params: Any, opt_state: Any, data_loader, step: int | None = None) -> tuple[Any, Any, int]:
         """Restores the checkpoint at `step` (default: the latest).
 
         Returns ``(params, opt_state, step)`` shaped like the given `params` and
@@ -127,7 +127,10 @@ class Checkpointer:
         where = f"checkpoint step {step} in {self.manager.directory}"
         meta = self._read(step, where, meta=ocp.args.JsonRestore()).meta
         self._validate(meta, params, opt_state, where)
-        abstract = lambda tree: jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+
+        def abstract(tree):
+            return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+
         restored = self._read(
             step,
             where,
@@ -158,7 +161,11 @@ class Checkpointer:
             for name, tree in (("params", params), ("opt_state", opt_state)):
                 have, want = saved[name], _signature(tree)
                 if have != want:
-                    diff = [f"{name}{w[0]}: checkpoint {h[1:]}, this run {w[1:]}" for h, w in zip(have, want) if h != w]
+                    diff = [
+                        f"{name}{w[0]}: checkpoint {h[1:]}, this run {w[1:]}"
+                        for h, w in zip(have, want, strict=False)  # the lengths may differ: see below
+                        if h != w
+                    ]
                     problems += diff[:5] or [f"{name}: {len(have)} arrays in the checkpoint, {len(want)} in this run"]
         if problems:
             raise CheckpointError(

@@ -26,7 +26,7 @@ import json
 import os
 import sys
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from examples.llama import rundir, train
 
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The comparison's own flags (before ``--``) and the train flags (after it, in ``train_argv``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     own, train_argv = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
@@ -111,13 +111,15 @@ def run_all(args: argparse.Namespace) -> dict:
 def table(runs: list[dict]) -> str:
     """The comparison as a Markdown table."""
     rows = [
-        "| optimizer | peak lr | state MiB | state / AdamW | matrices' state / AdamW's | val loss | val ppl | tokens/s |",
+        "| optimizer | peak lr | state MiB | state / AdamW | matrices' state / AdamW's "
+        "| val loss | val ppl | tokens/s |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         s = r["summary"]
         rows.append(
-            f"| {r['name']} | {s['lr']:g} | {s['state_bytes'] / 2**20:.2f} | {s['state_bytes'] / s['adamw_state_bytes']:.3f} "
+            f"| {r['name']} | {s['lr']:g} | {s['state_bytes'] / 2**20:.2f} "
+            f"| {s['state_bytes'] / s['adamw_state_bytes']:.3f} "
             f"| {s['matrix_state_bytes'] / s['adamw_matrix_state_bytes']:.3f} | {s['final_val_loss']:.4f} "
             f"| {s['final_val_ppl']:.3f} | {s['tokens_per_s'] or 0:.0f} |"
         )
@@ -158,7 +160,8 @@ def write_outputs(report: dict, out: str) -> None:
     plot(report["runs"], os.path.join(out, PLOT))
     with open(os.path.join(out, README), "w") as fh:
         fh.write(
-            f"# Optimizer comparison\n\n{provenance(report)}\n{table(report['runs'])}\n![validation loss vs tokens]({PLOT})\n"
+            f"# Optimizer comparison\n\n{provenance(report)}\n{table(report['runs'])}\n"
+            f"![validation loss vs tokens]({PLOT})\n"
         )
 
 
@@ -184,7 +187,7 @@ def update_readme(readme: str, directory: str, report: dict) -> None:
     rundir.replace_block(readme, *markers(directory), block)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     directory = args.report or args.out
     report = load_report(directory) if args.report else run_all(args)

@@ -25,7 +25,7 @@ import glob
 import os
 import sysconfig
 import zlib
-from typing import Callable, Iterable, Iterator, Optional
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -133,7 +133,7 @@ def read_text(path: str) -> str:
 
 
 def hf_documents(
-    path: str, name: Optional[str], split: str, data_files=None, seed: int = 42
+    path: str, name: str | None, split: str, data_files=None, seed: int = 42
 ) -> Callable[[int], Iterator[str]]:
     """A function ``skip -> iterator of texts`` over a streamed HF dataset, shuffled with a buffer."""
     import datasets  # imported here: only the C4 source needs it
@@ -270,8 +270,8 @@ class DataSpec:
     val_fraction: float = 0.05
     eval_batches: int = 8
     hf_path: str = "allenai/c4"
-    hf_name: Optional[str] = "en"
-    hf_data_files: Optional[dict] = None
+    hf_name: str | None = "en"
+    hf_data_files: dict | None = None
 
 
 def make_data(spec: DataSpec):

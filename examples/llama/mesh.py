@@ -12,7 +12,7 @@ GWT's transform axis 0 whole on every device; the batch is split over
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import numpy as np
@@ -58,7 +58,7 @@ def place(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(batch.shape, sharding, lambda index: batch[index])
 
 
-def initialize(coordinator: Optional[str], num_processes: int, process_id: Optional[int]) -> None:
+def initialize(coordinator: str | None, num_processes: int, process_id: int | None) -> None:
     """`jax.distributed.initialize` when a coordinator is given (CPU collectives use gloo)."""
     if coordinator:
         jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)

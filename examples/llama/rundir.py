@@ -23,7 +23,8 @@ import os
 import platform
 import shlex
 import subprocess
-from typing import Any, Iterable, Optional, Sequence, TextIO
+from collections.abc import Iterable, Sequence
+from typing import Any, TextIO
 
 from matplotlib.figure import Figure
 
@@ -66,10 +67,13 @@ def default_run_dir(name: str, seconds: float, root: str = "runs") -> str:
 CODE_PATHS = ("optax_gwt", "examples", "pyproject.toml")
 
 
-def git_commit() -> Optional[str]:
+def git_commit() -> str | None:
     """The short commit of this checkout, ``+dirty`` when tracked `CODE_PATHS` changed; None outside git."""
     try:
-        run = lambda *cmd: subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=10)
+
+        def run(*cmd):
+            return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=10)
+
         head = run("rev-parse", "--short", "HEAD")
         if head.returncode:
             return None
@@ -118,7 +122,7 @@ def read_config(run_dir: str) -> dict:
         return json.load(fh)
 
 
-def open_metrics(path: str, keep_until: Optional[int]) -> TextIO:
+def open_metrics(path: str, keep_until: int | None) -> TextIO:
     """The metrics file, open for writing; on resume (`keep_until` a step) it keeps the records up to that step."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     kept = [] if keep_until is None else [json.dumps(r) + "\n" for r in read_metrics(path) if r["step"] <= keep_until]
@@ -138,7 +142,7 @@ def read_metrics(path: str) -> list[dict]:
 Line = tuple[str, Sequence[float], Sequence[float], dict]
 
 
-def save_line_plot(path: str, lines: Iterable[Line], xlabel: str, ylabel: str, title: Optional[str] = None) -> None:
+def save_line_plot(path: str, lines: Iterable[Line], xlabel: str, ylabel: str, title: str | None = None) -> None:
     """A PNG of ``(label, xs, ys, matplotlib kwargs)`` lines (no pyplot: no global state, no display)."""
     fig = Figure(figsize=(7, 4.5))
     ax = fig.subplots()

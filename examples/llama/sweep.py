@@ -52,7 +52,8 @@ import os
 import shutil
 import sys
 import time
-from typing import Any, Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -139,7 +140,7 @@ def expand(config: dict) -> list[dict]:
         axes = [k for k, v in merged.items() if k != "tokens_per_step" and _is_axis(k, v, actions)]
         fixed = {k: v for k, v in merged.items() if k not in axes}
         for values in itertools.product(*(merged[k] for k in axes)):
-            flags = {**fixed, **dict(zip(axes, values))}
+            flags = {**fixed, **dict(zip(axes, values, strict=True))}
             per_step = flags.pop("tokens_per_step", None)
             if per_step:
                 flags["batch_size"] = per_step // flags.get("seq_len", actions["seq_len"].default)
@@ -177,7 +178,7 @@ def load_records(path: str) -> list[dict]:
     return rundir.read_metrics(path)
 
 
-def _finite(x: Optional[float]) -> Optional[float]:
+def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
@@ -228,7 +229,7 @@ def run_one(study: dict, run: dict, actions: dict) -> dict:
     return record
 
 
-def _study_settings(config: dict, output: Optional[str], run_root: Optional[str]) -> dict:
+def _study_settings(config: dict, output: str | None, run_root: str | None) -> dict:
     study = dict(config.get("study", {}))
     study.setdefault("name", "study")
     study["output"] = output or study.get("output", f"results/study/{study['name']}.jsonl")
@@ -256,14 +257,14 @@ def confirmation_runs(config: dict, records: Iterable[dict]) -> list[dict]:
     return out
 
 
-def _todo(runs: list[dict], records: list[dict], only: Optional[Sequence[str]]) -> list[dict]:
+def _todo(runs: list[dict], records: list[dict], only: Sequence[str] | None) -> list[dict]:
     done = {r["key"] for r in records}
     return [r for r in runs if run_key(r) not in done and (not only or r["name"] in only)]
 
 
-def run_grid(config: dict, output: Optional[str] = None, run_root: Optional[str] = None,
-             max_runs: Optional[int] = None, only: Optional[Sequence[str]] = None, log=print) -> list[dict]:  # fmt: skip
-    """Runs the study's runs not yet in its JSONL (at most `max_runs`, of the optimizers `only`); returns the new records.
+def run_grid(config: dict, output: str | None = None, run_root: str | None = None,
+             max_runs: int | None = None, only: Sequence[str] | None = None, log=print) -> list[dict]:  # fmt: skip
+    """Runs the study's runs not yet in its JSONL (at most `max_runs`, of optimizers `only`); returns the new records.
 
     The grid's runs go first, then the confirmation runs (`confirmation_runs`) of
     the optimizers whose grid is finished.
@@ -300,14 +301,15 @@ def _describe_flags(flags: dict) -> str:
 def _task(flags: dict) -> str:
     """The task a run belongs to, e.g. ``9m seq 256 x 16, 300 steps``."""
     model = f" ({' '.join(flags['model'])})" if flags.get("model") else ""
-    return f"{flags.get('config', '9m')}{model} seq {flags.get('seq_len')} x {flags.get('batch_size')}, {flags.get('steps')} steps"
+    shape = f"seq {flags.get('seq_len')} x {flags.get('batch_size')}, {flags.get('steps')} steps"
+    return f"{flags.get('config', '9m')}{model} {shape}"
 
 
 def _setting(flags: dict) -> str:
     return json.dumps({k: v for k, v in flags.items() if k != "seed"}, sort_keys=True)
 
 
-def _loss(value: Optional[float]) -> float:
+def _loss(value: float | None) -> float:
     return math.inf if value is None else value
 
 
@@ -366,7 +368,8 @@ def best_settings(records: Iterable[dict]) -> dict:
             best = min((s for s in scored if scored[s]["n"] == most), key=lambda s: (scored[s]["mean"], s))
             flags = settings[best][0]["flags"]
             out[task][name] = {"flags": {k: v for k, v in flags.items() if k != "seed"}, **scored[best],
-                               "edges": _edges(flags, settings), "runs": settings[best], "settings": len(settings)}  # fmt: skip
+                               "edges": _edges(flags, settings), "runs": settings[best],
+                               "settings": len(settings)}  # fmt: skip
     return out
 
 
@@ -376,6 +379,11 @@ def _curve(runs: list[dict]) -> tuple[list, list, list]:
     steps = sorted(set.intersection(*(set(p) for p in per)))
     losses = [float(np.mean([_loss(p[s]["val_loss"]) for p in per])) for s in steps]
     return steps, [per[0][s]["tokens"] for s in steps], losses
+
+
+def _rank(d: dict) -> list:
+    """The keys of `d` by value (ties by key)."""
+    return sorted(d, key=lambda k: (d[k], k))
 
 
 def ranking_agreement(best: dict) -> dict:
@@ -393,14 +401,13 @@ def ranking_agreement(best: dict) -> dict:
                 continue
             final[name] = losses[-1]
             half[name] = losses[int(np.argmin([abs(s - steps[-1] / 2) for s in steps]))]
-        rank = lambda d: sorted(d, key=lambda n: (d[n], n))  # noqa: E731
-        h, f = rank(half), rank(final)
+        h, f = _rank(half), _rank(final)
         spearman = float(np.corrcoef([h.index(n) for n in f], range(len(f)))[0, 1]) if len(f) > 1 else 1.0
         out[task] = {"half": h, "final": f, "agree": h == f, "spearman": spearman}
     return out
 
 
-def _mib(n: Optional[float]) -> str:
+def _mib(n: float | None) -> str:
     return "" if n is None else f"{n / 2**20:.2f}"
 
 
@@ -428,7 +435,8 @@ def report_markdown(best: dict, agreement: dict, plots: dict) -> str:
         if a:
             verdict = "agrees" if a["agree"] else "does NOT agree"
             lines += ["", f"Ranking at half the steps {verdict} with the final one (Spearman's rank correlation "
-                      f"{a['spearman']:.2f}): {' < '.join(a['half'])} (half) vs {' < '.join(a['final'])} (final)."]  # fmt: skip
+                      f"{a['spearman']:.2f}): {' < '.join(a['half'])} (half) "
+                      f"vs {' < '.join(a['final'])} (final)."]  # fmt: skip
         lines += [""] + [f"![{kind}]({os.path.basename(p)})" for kind, p in plots.get(task, {}).items()] + [""]
     return "\n".join(lines + across_tasks(best))
 
@@ -438,21 +446,17 @@ def across_tasks(best: dict) -> list[str]:
     if len(best) < 2:
         return []
     names = sorted({n for names in best.values() for n in names})
-    size = lambda t: tuple(
-        next(iter(best[t].values()))["runs"][0]["flags"].get(k) or 0  # noqa: E731
-        for k in ("seq_len", "steps", "batch_size")
-    )
+
+    def size(t) -> tuple:
+        flags = next(iter(best[t].values()))["runs"][0]["flags"]
+        return tuple(flags.get(k) or 0 for k in ("seq_len", "steps", "batch_size"))
+
+    def cell(b) -> str:
+        if b is None:
+            return ""
+        return "diverged" if not math.isfinite(b["mean"]) else f"{b['mean']:.4f} ± {b['std']:.4f} ({b['n']})"
+
     tasks = sorted(best, key=size)
-    cell = lambda b: (
-        ""
-        if b is None
-        else (
-            "diverged"
-            if not math.isfinite(b["mean"])
-            # noqa: E731
-            else f"{b['mean']:.4f} ± {b['std']:.4f} ({b['n']})"
-        )
-    )
     lines = ["## Across tasks", "", "| optimizer | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
     lines += [f"| {n} | " + " | ".join(cell(best[t].get(n)) for t in tasks) + " |" for n in names]
     return lines + [""]
@@ -471,7 +475,8 @@ def plot_task(task: str, names: dict, out_dir: str) -> dict:
                           "step", "validation loss (mean over seeds)", task)  # fmt: skip
     rundir.save_line_plot(paths["time"], [(n, np.array(c[1]) / speed[n], c[2], {"marker": "o", "ms": 3})
                                           for n, c in curves.items()],
-                          "training time (s, compilation and evaluation excluded)", "validation loss", task)  # fmt: skip
+                          "training time (s, compilation and evaluation excluded)", "validation loss",
+                          task)  # fmt: skip
     _memory_plot(paths["memory"], names, task)
     return paths
 
@@ -520,8 +525,8 @@ def default_report_dir(records_path: str) -> str:
     return os.path.splitext(records_path)[0] + "-report"
 
 
-def write_report(records_path: str, out_dir: Optional[str] = None, plots: bool = True,
-                 include: Sequence[str] = (), only: Optional[Sequence[str]] = None) -> str:  # fmt: skip
+def write_report(records_path: str, out_dir: str | None = None, plots: bool = True,
+                 include: Sequence[str] = (), only: Sequence[str] | None = None) -> str:  # fmt: skip
     """Writes ``report.md`` (and the plots) for a study's JSONL; returns the Markdown.
 
     `include`: other studies' JSONLs whose runs join the report (runs of the same
@@ -582,7 +587,7 @@ def _report_command(args: argparse.Namespace) -> str:
     return rundir.command_line("examples.llama.sweep", argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     config = load_config(args.config)
     study = _study_settings(config, args.output, args.run_root)

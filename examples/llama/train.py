@@ -28,7 +28,8 @@ import math
 import os
 import sys
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,9 +39,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import optax_gwt
-from examples.llama import data as data_lib
-from examples.llama import mesh as mesh_lib
-from examples.llama import rundir
+from examples.llama import data as data_lib, mesh as mesh_lib, rundir
 from examples.llama.checkpoint import Checkpointer, run_metadata
 from optax_gwt import modular
 from optax_gwt.models import llama as model_lib
@@ -201,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parses `argv`; with ``--resume RUN_DIR``, RUN_DIR's config.json supplies the flags not given."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -331,10 +330,12 @@ def _describe(args: argparse.Namespace, job: Job, memory: dict) -> str:
     """The start line: model size and the optimizer state against AdamW's."""
     cfg, n_params = job.cfg, sum(x.size for x in jax.tree.leaves(job.params))
     return (
-        f"model {args.config} {cfg.hidden_size}x{cfg.num_layers} vocab {cfg.vocab_size}: {n_params / 1e6:.2f}M params | "
+        f"model {args.config} {cfg.hidden_size}x{cfg.num_layers} vocab {cfg.vocab_size}: "
+        f"{n_params / 1e6:.2f}M params | "
         f"optimizer {run_name(args)}: state {memory['state_bytes'] / 2**20:.2f} MiB = "
         f"{memory['state_bytes'] / memory['adamw_state_bytes']:.3f} x AdamW's (attention/MLP matrices "
-        f"{memory['matrix_state_bytes'] / 2**20:.2f} MiB = {memory['matrix_state_bytes'] / memory['adamw_matrix_state_bytes']:.3f} x)"
+        f"{memory['matrix_state_bytes'] / 2**20:.2f} MiB = "
+        f"{memory['matrix_state_bytes'] / memory['adamw_matrix_state_bytes']:.3f} x)"
     )
 
 
@@ -396,7 +397,7 @@ class Throughput:
     tokens: int = 0
     seconds: float = 0.0
 
-    def per_second(self) -> Optional[float]:
+    def per_second(self) -> float | None:
         return self.tokens / self.seconds if self.seconds else None
 
 
@@ -494,7 +495,7 @@ def _summary(args: argparse.Namespace, job: Job, records: list, memory: dict, sp
     }
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     summary = run(args)["summary"]
     if jax.process_index() == 0:

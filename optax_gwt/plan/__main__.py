@@ -28,9 +28,11 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m optax_gwt.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument(
-        "--config", nargs="+", default=["1b"], choices=CONFIGS, help="optax_gwt.models.llama_config.CONFIGS names"
+        "--config", nargs="+", default=["1b"], choices=CONFIGS, metavar="NAME", help=f"models: {', '.join(CONFIGS)}"
     )
     p.add_argument("--devices", type=int, default=None, help="simulated devices (default: the mesh's)")
     p.add_argument("--mesh", default="fsdp=1", help="e.g. data=2,fsdp=4,tensor=2 (axes data, fsdp, tensor)")

@@ -38,11 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from optax_gwt import modular
-from optax_gwt import plan as plan_lib
+from optax_gwt import modular, plan as plan_lib
 from optax_gwt._extras import requires
 
 with requires("plan", "optax_gwt.plan.llama"):
