@@ -44,6 +44,10 @@ autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_default_options: dict = {}  # members are asked for where wanted
 napoleon_use_ivar = True  # Attributes: as fields, not entries that would double autodoc's
+# Optax's type aliases as written in the signatures, not expanded into their unions.
+autodoc_type_aliases = {
+    name: name for name in ("optax.ScalarOrSchedule", "optax.Schedule", "optax.OptState", "optax.Updates", "optax.Params")
+}
 autosummary_generate = False  # the tables link to the entries on the same page; nothing is generated
 add_module_names = True
 
