@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -54,15 +55,21 @@ WEIGHT_DECAY = 0.01
 TARGET_RATIO = 0.8
 
 
-def optimizers(hidden: int, labels: Any, names: list[str]) -> dict[str, optax.GradientTransformation]:
-    """The compared optimizers; all but AdamW run on the "matrix" label only, AdamW on "other"."""
-    adamw = lambda: optax.adamw(LEARNING_RATE, eps=1e-6, weight_decay=WEIGHT_DECAY)
+def optimizers(
+    hidden: int, labels: Any, names: list[str], dtype: Any = None
+) -> dict[str, optax.GradientTransformation]:
+    """The compared optimizers; all but AdamW run on the "matrix" label only, AdamW on "other".
+
+    `dtype`: the moments' dtype (None: the params'); ``gwtN-xla`` is ``gwtN`` without the CPU kernel.
+    """
+    adamw = lambda: optax.adamw(LEARNING_RATE, eps=1e-6, weight_decay=WEIGHT_DECAY, mu_dtype=dtype)
+    gwt = lambda level, kernel=True: optax_gwt.gwt_adamw(
+        LEARNING_RATE, weight_decay=WEIGHT_DECAY, level=level, cpu_kernel=kernel, mu_dtype=dtype, nu_dtype=dtype
+    )
     on_matrices = {
-        "gwt1": lambda: optax_gwt.gwt_adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY, level=1),
-        "gwt2": lambda: optax_gwt.gwt_adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY, level=2),
-        # The same without the compiled CPU kernel: XLA alone.
-        "gwt2-xla": lambda: optax_gwt.gwt_adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY, level=2, cpu_kernel=False),
-        "gwt3": lambda: optax_gwt.gwt_adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY, level=3),
+        **{f"gwt{level}": functools.partial(gwt, level) for level in (1, 2, 3)},
+        # The same without the compiled CPU kernel: XLA alone, as on GPUs and TPUs.
+        **{f"gwt{level}-xla": functools.partial(gwt, level, False) for level in (1, 2, 3)},
         # GaLore's rank hidden/4 (128 for 60m, as in the papers) keeps about
         # the state of GWT-2 (reported in the state bytes column).
         "galore": lambda: optax.contrib.galore(LEARNING_RATE, rank=hidden // 4, weight_decay=WEIGHT_DECAY),
@@ -87,6 +94,13 @@ def _train_step(opt: optax.GradientTransformation) -> Callable:
 
 def _update_only(opt: optax.GradientTransformation) -> Callable:
     return jax.jit(lambda grads, state, params: opt.update(grads, state, params), donate_argnums=(1,))
+
+
+def _bytes_accessed(compiled) -> float:
+    """XLA's own estimate of the bytes a compiled program reads and writes (`cost_analysis`)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost.get("bytes accessed", float("nan")))
 
 
 def _memory(compiled) -> dict:
@@ -127,9 +141,13 @@ class _Runner:
 
 
 def measure(opts: dict, params: Any, rounds: int, inner: int, seed: int = 1) -> dict:
-    """Times (a) and (b) for every optimizer in alternating rounds; sizes state, temp memory, traffic."""
+    """Times (a) and (b) for every optimizer in alternating rounds; sizes state, temp memory, traffic.
+
+    The gradients have the params' dtype."""
     rng = np.random.default_rng(seed)
-    grads = jax.tree_util.tree_map(lambda p: jnp.asarray(rng.standard_normal(p.shape, dtype=np.float32) * 1e-3), params)
+    grads = jax.tree_util.tree_map(
+        lambda p: jnp.asarray(rng.standard_normal(p.shape, dtype=np.float32) * 1e-3).astype(p.dtype), params
+    )
     sizes = [int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(params)]
     n_params = sum(sizes)
     runners, results = {}, {}
@@ -147,6 +165,9 @@ def measure(opts: dict, params: Any, rounds: int, inner: int, seed: int = 1) -> 
                 "bytes_read_per_param": traffic.bytes_read / n_params,
                 "bytes_written_per_param": traffic.bytes_written / n_params,
                 "full_size_reads_per_param": traffic.full_size_read_elements / n_params,
+                # XLA's cost analysis (the planner's roofline reads the same) of (a) and (b).
+                "update_cost_bytes_per_param": _bytes_accessed(r.update_compiled) / n_params,
+                "step_cost_bytes_per_param": _bytes_accessed(r.step_compiled) / n_params,
             },
             "step_s": [],
             "update_s": [],
@@ -286,6 +307,7 @@ def markdown(report: dict) -> str:
     m = report["machine"]
     out = [
         f"Machine: {m['cpu']}, {m['cores']} cores, JAX {m['jax']} ({m['jax_backend']}), optax {m['optax']}; "
+        f"params, gradients and moments in {report.get('dtype', 'float32')}; "
         f"load average at start {m['load_average'][0]:.1f} (shared machine: medians of {report['rounds']} alternating "
         f"rounds of {report['inner']} steps; ratio = median over rounds of the per-round ratio to AdamW). "
         f"GWT's compiled CPU kernel: {'used (gwt-N rows; gwt2-xla is XLA alone)' if m.get('gwt_cpu_kernel') else 'not used'}.",
@@ -297,8 +319,8 @@ def markdown(report: dict) -> str:
         out += [
             f"### {model} ({res['scope']}: {res['n_params'] / 1e6:.1f}M params in {res['n_arrays']} arrays)",
             "",
-            "| optimizer | train step (b) ms | vs AdamW | update (a) ms | vs AdamW | state MiB | step temp MiB | step args MiB | update temp MiB | fusions | B/param read+written | full-size reads/param |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| optimizer | train step (b) ms | vs AdamW | update (a) ms | vs AdamW | state MiB | step temp MiB | step args MiB | update temp MiB | fusions | B/param read+written | full-size reads/param | update (a) cost-analysis B/param |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for name, r in res["optimizers"].items():
             h = r["hlo"]
@@ -306,7 +328,8 @@ def markdown(report: dict) -> str:
                 f"| {name} | {r['step_median_s'] * 1e3:.1f} | {r['step_ratio']:.2f} | {r['update_median_s'] * 1e3:.1f} | "
                 f"{r['update_ratio']:.2f} | {r['state_bytes'] / 2**20:.1f} | {r['step_memory']['temp_bytes'] / 2**20:.1f} | "
                 f"{r['step_memory']['argument_bytes'] / 2**20:.1f} | {r['update_memory']['temp_bytes'] / 2**20:.1f} | "
-                f"{h['fusions']} | {h['bytes_read_per_param'] + h['bytes_written_per_param']:.1f} | {h['full_size_reads_per_param']:.2f} |"
+                f"{h['fusions']} | {h['bytes_read_per_param'] + h['bytes_written_per_param']:.1f} | {h['full_size_reads_per_param']:.2f} | "
+                f"{h.get('update_cost_bytes_per_param', float('nan')):.1f} |"
             )
         out.append("")
     if report.get("shapes"):
@@ -332,7 +355,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     default_models = "60m,130m" if jax.default_backend() == "cpu" else "60m,130m,350m,1b"
     parser.add_argument("--models", default=default_models, help=f"comma-separated, of {list(CONFIGS)}")
-    parser.add_argument("--optimizers", default="adamw,gwt1,gwt2,gwt2-xla,gwt3,galore,adafactor")
+    parser.add_argument("--optimizers", default="adamw,gwt1,gwt1-xla,gwt2,gwt2-xla,gwt3,gwt3-xla,galore,adafactor")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="params, gradients and optimizer moments in this dtype",
+    )
     parser.add_argument(
         "--scope",
         default="model",
@@ -367,6 +396,7 @@ def main(argv=None):
         "machine": machine(),
         "rounds": args.rounds,
         "inner": args.inner,
+        "dtype": args.dtype,
         "learning_rate": LEARNING_RATE,
         "weight_decay": WEIGHT_DECAY,
         "models": {},
@@ -374,8 +404,8 @@ def main(argv=None):
     for model in args.models.split(","):
         cfg = CONFIGS[model]
         for scope in scopes:
-            params = llama_params(cfg, only_attention_mlp=scope == "matrices")
-            opts = optimizers(cfg.hidden_size, param_labels(params), names)
+            params = llama_params(cfg, only_attention_mlp=scope == "matrices", dtype=jnp.dtype(args.dtype))
+            opts = optimizers(cfg.hidden_size, param_labels(params), names, dtype=jnp.dtype(args.dtype))
             print(f"{model} [{scope}] ...", flush=True)
             res = measure(opts, params, args.rounds, args.inner)
             res["scope"] = scope

@@ -101,6 +101,10 @@ def adam_update(
     """
     n = g.shape[axis]
     dtype = g.dtype
+    # A barrier (no copy, no work): without it XLA shares this pass's cast of the moments
+    # with the limiter's norm, and XLA CPU then writes float32 copies of half-precision
+    # moments for that reduction instead of reading them directly.
+    mu, nu = jax.lax.optimization_barrier((mu, nu))
     rep = lambda x: repeat_blocks(x.astype(dtype), axis, block, n)
     s = jnp.asarray(block**-0.5, dtype)
     # ``+ 0 * g`` (exact: a non-finite G already makes the whole update NaN) keeps

@@ -225,7 +225,10 @@ def on_approximation(
     def update_fn(updates, state, params=None):
         leaves, treedef = _flatten(updates)
         _check_projection(leaves, treedef, projection)
-        inner_in = treedef.unflatten([x.approx.astype(x.spec.dtype) if is_coefficients(x) else x for x in leaves])
+        # A `GWTBase` computes in float32 at least: it gets the approximation unrounded (no
+        # half-precision copy of it is written between the block sums and the moments).
+        approx_dtype = (lambda x: x.approx.dtype) if isinstance(inner, GWTBase) else (lambda x: x.spec.dtype)
+        inner_in = treedef.unflatten([x.approx.astype(approx_dtype(x)) if is_coefficients(x) else x for x in leaves])
         _check_state(inner, inner_in, state.inner_state)
         if isinstance(inner, GWTBase):
             steps, inner_state, sq_norms = inner.update_on_approximation(
@@ -419,12 +422,7 @@ def _resolve_rule(x: WaveletCoefficients, rule: str) -> str:
 def _inverse_node(x: WaveletCoefficients, rule: str, bias_correct_details: bool, clip: Optional[float]) -> jax.Array:
     """The full-size update of one node (before `scale`), in its compute dtype."""
     rule = _resolve_rule(x, rule)
-    fused = (
-        rule == "adam"
-        and clip is None
-        and x.exact
-        and x.spec.closed_form
-    )
+    fused = rule == "adam" and clip is None and x.exact and x.spec.closed_form
     if not fused:
         return inverse_leaf(x, _detail_weight(x, rule, bias_correct_details), clip)
     # The explicit fusion of a `GWTBase` Adam's step with the Haar inverse: the

@@ -219,6 +219,55 @@ def test_cpu_kernel_path_agrees_with_xla_path_per_step():
         state = new_state
 
 
+def _plain_haar_chain(proj, dtype):
+    """The chain whose inverse takes the plain path (`inverse_leaf` on the base's step): the
+    reference Adam's preconditioner passed as another function, so the fused Haar update
+    (`haar.adam_update`, which rebuilds the step from the moments) does not apply."""
+    base = optax_gwt.scale_by_reference_adam(eps=1e-6, mu_dtype=dtype, nu_dtype=dtype)
+    return optax.chain(
+        optax_gwt.wavelet_project(proj),
+        optax_gwt.on_approximation(base, proj, preconditioner=lambda s: base.preconditioner(s)),
+        optax_gwt.limit_norm_growth(1.01),
+        optax_gwt.wavelet_inverse(),
+    )
+
+
+def _fused_haar_chain(proj, dtype):
+    base = optax_gwt.scale_by_reference_adam(eps=1e-6, mu_dtype=dtype, nu_dtype=dtype)
+    return optax.chain(
+        optax_gwt.wavelet_project(proj),
+        optax_gwt.on_approximation(base, proj),
+        optax_gwt.limit_norm_growth(1.01),
+        optax_gwt.wavelet_inverse(),
+    )
+
+
+@pytest.mark.parametrize(
+    "param_dtype, moment_dtype, rtol",
+    [(jnp.float32, jnp.float32, 2e-6), (jnp.float32, jnp.bfloat16, 2e-6), (jnp.bfloat16, jnp.bfloat16, 1e-2)],
+)
+@pytest.mark.parametrize("level, axis", [(1, 0), (2, 0), (3, 1)])
+def test_fused_haar_update_agrees_with_plain_inverse(param_dtype, moment_dtype, rtol, level, axis):
+    """The fused Haar closed form (whole full-size pass from the moments, any moment dtype)
+    against `inverse_leaf` on the base's step, per step on identical inputs (odd lengths
+    included): within float32 rounding, and one bfloat16 rounding of the update for
+    bfloat16 params (both compute in float32, then round)."""
+    proj = optax_gwt.WaveletProjection(level=level, axis=axis)
+    shapes = {"w": (37, 19), "v": (32, 24)}
+    params = {k: jnp.ones(s, param_dtype) for k, s in shapes.items()}
+    fused, plain = _fused_haar_chain(proj, moment_dtype), _plain_haar_chain(proj, moment_dtype)
+    state = fused.init(params)
+    for g in grads_seq(shapes, 4, dtype=np.float32):
+        g = jax.tree.map(lambda x: jnp.asarray(x, param_dtype), g)
+        u_fused, new_state = jax.jit(fused.update)(g, state, params)
+        u_plain, plain_state = jax.jit(plain.update)(g, state, params)
+        chex.assert_trees_all_close(new_state, plain_state, rtol=1e-6)  # the same state, up to rounding
+        for k in shapes:
+            a, b = (np.asarray(u[k], np.float32) for u in (u_fused, u_plain))
+            np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * float(np.abs(b).max()))
+        state = new_state
+
+
 # ---------------------------------------------------------------------------
 # Clear errors.
 # ---------------------------------------------------------------------------
