@@ -14,6 +14,7 @@ from __future__ import annotations
 import doctest
 import importlib
 import importlib.util
+import json
 import os
 import pkgutil
 import re
@@ -200,3 +201,55 @@ def test_headline_table_is_the_default_study():
         assert row[column["matrices' state / AdamW's"]] == ref[8], (name, ref)
         lr, *alpha = [s.strip() for s in row[column["lr, alpha"]].split(",")]
         assert lr == ref[1] and (not alpha or alpha[0] == ref[2]), (name, ref)
+
+
+# ---------------------------------------------------------------------------
+# The generated blocks of the study and performance pages are their results files'.
+# ---------------------------------------------------------------------------
+
+STUDY_PAGE = os.path.join(DOCS, "study.md")
+PERFORMANCE_PAGE = os.path.join(DOCS, "performance.md")
+
+
+def _between(text: str, start: str, end: str) -> str:
+    assert start in text and end in text, (start, end)
+    return text.split(start, 1)[1].split(end, 1)[0].strip("\n")
+
+
+def test_study_blocks_are_the_committed_reports(monkeypatch):
+    """Each study-report block is what ``sweep --report --readme docs/study.md`` writes from the committed report."""
+    sweep = pytest.importorskip("examples.llama.sweep")
+    monkeypatch.chdir(REPO)
+    text = read(STUDY_PAGE)
+    keys = re.findall(r"^<!-- study-report (\S+):start -->$", text, flags=re.M)
+    assert len(keys) >= 6, keys
+    for key in keys:
+        block = _between(text, *sweep.readme_markers(key))
+        command = re.match(r"Written by `([^`]+)`", block).group(1)
+        assert "--readme docs/study.md" in command, command
+        expected = sweep.readme_block(read(os.path.join(key, "report.md")), key, "docs/study.md", command)
+        assert block == expected.strip("\n"), f"the {key} block of docs/study.md is not its report.md"
+
+
+def test_comparison_blocks_are_the_saved_results(monkeypatch):
+    """The 100- and 400-step comparison tables are those of results/llama and results/llama-long."""
+    compare = pytest.importorskip("examples.llama.compare")
+    monkeypatch.chdir(REPO)
+    text = read(STUDY_PAGE)
+    for directory in ("results/llama", "results/llama-long"):
+        block = _between(text, *compare.markers(directory))
+        report = compare.load_report(directory)
+        assert compare.table(report["runs"]) in block and compare.provenance(report) in block, directory
+        assert f"](../{directory}/val_loss.png)" in block, directory
+
+
+def test_performance_block_is_its_json(monkeypatch):
+    """The performance tables are ``benchmarks.optimizer_step --render <its JSON>``'s (the JSON named in the block)."""
+    optimizer_step = pytest.importorskip("benchmarks.optimizer_step")
+    monkeypatch.chdir(REPO)
+    text = read(PERFORMANCE_PAGE)
+    block = _between(text, optimizer_step.START_MARKER, optimizer_step.END_MARKER)
+    out = re.search(r"^Command: `[^`]*--out (\S+)", block, flags=re.M).group(1)
+    with open(out + ".json") as fh:
+        report = json.load(fh)
+    assert block.strip() == optimizer_step.markdown(report).strip()
