@@ -9,7 +9,8 @@ for the ``"adam"`` detail rule of `wavelet_inverse`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,7 +85,7 @@ class GWTBase(NamedTuple):
 
     init: optax.TransformInitFn
     update: optax.TransformUpdateExtraArgsFn
-    preconditioner: Callable[[optax.OptState], Optional[Preconditioner]]
+    preconditioner: Callable[[optax.OptState], Preconditioner | None]
     update_on_approximation: Callable[[Any, optax.OptState, Any], tuple[Any, optax.OptState, Any]]
 
 
@@ -97,7 +98,7 @@ def _scalar_dtype(tree: Any) -> np.dtype:
     return dtype
 
 
-def _adam_state(state: Any) -> Optional[optax.ScaleByAdamState]:
+def _adam_state(state: Any) -> optax.ScaleByAdamState | None:
     """The one `optax.ScaleByAdamState` in a (nested) optimizer state, or None."""
     found = [
         s
@@ -113,7 +114,7 @@ def _adam_state(state: Any) -> Optional[optax.ScaleByAdamState]:
 
 def adam_preconditioner(
     b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, reference: bool = False, bias_correction: bool = True
-) -> Callable[[optax.OptState], Optional[Preconditioner]]:
+) -> Callable[[optax.OptState], Preconditioner | None]:
     """The `Preconditioner` of an Adam base, read from its `optax.ScaleByAdamState`.
 
     With ``t`` the state's count, ``bc1 = 1 - b1^t`` and ``bc2 = 1 - b2^t``
@@ -138,7 +139,7 @@ def adam_preconditioner(
       [0.001, 0.001]
     """
 
-    def read(state: optax.OptState) -> Optional[Preconditioner]:
+    def read(state: optax.OptState) -> Preconditioner | None:
         adam = _adam_state(state)
         if adam is None:
             return None
@@ -165,9 +166,9 @@ def scale_by_reference_adam(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-6,
-    mu_dtype: Optional[Any] = None,
+    mu_dtype: Any | None = None,
     bias_correction: bool = True,
-    nu_dtype: Optional[Any] = None,
+    nu_dtype: Any | None = None,
     cpu_kernel: bool = False,
 ) -> GWTBase:
     """Adam in the form of the GWT reference (Hugging Face's AdamW).
@@ -232,7 +233,7 @@ def scale_by_reference_adam(
         count = optax.safe_increment(state.count)
         signals = haar_signals if haar_signals is not None else jax.tree.map(lambda _: None, updates)
         new = jax.tree.map(moments, updates, state.mu, state.nu, signals, is_leaf=lambda x: x is None)
-        mu, nu, sq_norms = (jax.tree.map(lambda _, x: x[i], updates, new) for i in range(3))
+        mu, nu, sq_norms = (jax.tree.map(lambda _, x, i=i: x[i], updates, new) for i in range(3))
         factor = 1.0
         if bias_correction:
             t = count.astype(_scalar_dtype(updates))

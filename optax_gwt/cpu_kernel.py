@@ -77,7 +77,7 @@ def _build(compiler: str) -> Path:
     return target
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def available() -> bool:
     """Whether the kernel is compiled and registered with XLA (compiles it on first call)."""
     if os.environ.get("OPTAX_GWT_CPU_KERNEL", "1").lower() in ("0", "false", "no", "off"):
@@ -91,7 +91,10 @@ def available() -> bool:
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, _SYMBOLS[dtype])), platform="cpu")
     except (OSError, subprocess.CalledProcessError, AttributeError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        warnings.warn(f"optax_gwt: the CPU kernel could not be built, GWT uses its XLA path ({detail.strip()[:500]})")
+        warnings.warn(
+            f"optax_gwt: the CPU kernel could not be built, GWT uses its XLA path ({detail.strip()[:500]})",
+            stacklevel=2,
+        )
         return False
     return True
 

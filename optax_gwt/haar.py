@@ -105,7 +105,10 @@ def adam_update(
     # with the limiter's norm, and XLA CPU then writes float32 copies of half-precision
     # moments for that reduction instead of reading them directly.
     mu, nu = jax.lax.optimization_barrier((mu, nu))
-    rep = lambda x: repeat_blocks(x.astype(dtype), axis, block, n)
+
+    def rep(x):
+        return repeat_blocks(x.astype(dtype), axis, block, n)
+
     s = jnp.asarray(block**-0.5, dtype)
     # ``+ 0 * g`` (exact: a non-finite G already makes the whole update NaN) keeps
     # XLA from hoisting the square root before the repeat, where it would be

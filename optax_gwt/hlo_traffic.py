@@ -11,7 +11,8 @@ many times the step streams each weight-sized array from memory.
 from __future__ import annotations
 
 import re
-from typing import Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -91,7 +92,7 @@ class Instruction(NamedTuple):
 def entry_instructions(hlo_text: str) -> list[Instruction]:
     """The instructions of the entry computation of ``compiled.as_text()``, in order."""
     lines = hlo_text.splitlines()
-    start = next(i for i, l in enumerate(lines) if l.startswith("ENTRY"))
+    start = next(i for i, line in enumerate(lines) if line.startswith("ENTRY"))
     out = []
     for line in lines[start + 1 :]:
         if line.startswith("}"):

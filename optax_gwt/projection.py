@@ -13,19 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, NamedTuple, Optional, Union
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_gwt import haar, wavelets
-from optax_gwt import sharding as sharding_lib
+from optax_gwt import haar, sharding as sharding_lib, wavelets
 
 __all__ = ["LeafSpec", "WaveletProjection", "WaveletCoefficients", "AdamTerms", "project_leaf", "inverse_leaf"]
 
-AxisSpec = Union[None, int, Callable[[tuple, jax.Array], Optional[int]], Any]
-MaskSpec = Union[None, Any, Callable[[Any], Any]]
+AxisSpec = None | int | Callable[[tuple, jax.Array], int | None] | Any
+MaskSpec = None | Any | Callable[[Any], Any]
 
 
 # ---------------------------------------------------------------------------
@@ -117,7 +117,7 @@ class WaveletProjection:
     mode: str = "zero"
     axis: AxisSpec = 0
     mask: MaskSpec = None
-    min_dim_size: Optional[int] = None
+    min_dim_size: int | None = None
 
     def __post_init__(self):
         if isinstance(self.level, bool) or not isinstance(self.level, (int, np.integer)):
@@ -132,7 +132,7 @@ class WaveletProjection:
         if self.min_dim_size is not None and not isinstance(self.min_dim_size, (int, np.integer)):
             raise TypeError(f"min_dim_size must be a static int or None, got {self.min_dim_size!r}")
 
-    def leaf_specs(self, tree: Any) -> tuple[list[Optional[LeafSpec]], Any]:
+    def leaf_specs(self, tree: Any) -> tuple[list[LeafSpec | None], Any]:
         """Per leaf of `tree` (flattened order), its `LeafSpec` or None; and the treedef.
 
         Raises:
@@ -143,7 +143,7 @@ class WaveletProjection:
         axes = self._axes(tree, leaves_with_path, treedef)
         selected = self._mask(tree, treedef)
         specs = []
-        for (path, leaf), axis, sel in zip(leaves_with_path, axes, selected):
+        for (path, leaf), axis, sel in zip(leaves_with_path, axes, selected, strict=True):
             name = jax.tree_util.keystr(path)
             if not _is_array_like(leaf):
                 raise TypeError(f"{name}: expected an array, got {type(leaf).__name__}")
@@ -164,7 +164,7 @@ class WaveletProjection:
                 continue
             if not _level_fits(n, self.level, self.wavelet, self.mode):
                 deepest = max(
-                    [l for l in range(1, self.level) if _level_fits(n, l, self.wavelet, self.mode)], default=0
+                    [lv for lv in range(1, self.level) if _level_fits(n, lv, self.wavelet, self.mode)], default=0
                 )
                 raise ValueError(
                     f"{name}: level {self.level} is too deep for length {n} along axis {axis} with "
@@ -176,9 +176,9 @@ class WaveletProjection:
 
     def _axes(self, tree, leaves_with_path, treedef) -> list:
         if self.axis is None or isinstance(self.axis, (int, np.integer)):
-            return [None if self.axis is None or getattr(l, "ndim", 0) < 2 else self.axis for _, l in leaves_with_path]
+            return [None if self.axis is None or getattr(x, "ndim", 0) < 2 else self.axis for _, x in leaves_with_path]
         if callable(self.axis):
-            return [self.axis(p, l) for p, l in leaves_with_path]
+            return [self.axis(p, x) for p, x in leaves_with_path]
         return _broadcast_prefix(self.axis, tree, treedef, "axis")
 
     def _mask(self, tree, treedef) -> list:
@@ -264,17 +264,17 @@ class WaveletCoefficients:
 
     approx: jax.Array
     details: tuple = ()
-    signal: Optional[jax.Array] = None
-    grad_approx: Optional[jax.Array] = None
-    adam: Optional[AdamTerms] = None
-    step_scale: Optional[jax.Array] = None
-    sq_norm: Optional[jax.Array] = None
-    limit: Optional[jax.Array] = None
+    signal: jax.Array | None = None
+    grad_approx: jax.Array | None = None
+    adam: AdamTerms | None = None
+    step_scale: jax.Array | None = None
+    sq_norm: jax.Array | None = None
+    limit: jax.Array | None = None
     spec: LeafSpec = dataclasses.field(default=None, metadata=dict(static=True))
     sharding: Any = dataclasses.field(default=None, metadata=dict(static=True))
     exact: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
-    def replace(self, **changes) -> "WaveletCoefficients":
+    def replace(self, **changes) -> WaveletCoefficients:
         return dataclasses.replace(self, **changes)
 
 
@@ -313,7 +313,7 @@ def project_leaf(g: jax.Array, spec: LeafSpec) -> WaveletCoefficients:
     )
 
 
-def inverse_leaf(node: WaveletCoefficients, weight: Optional[jax.Array], clip: Optional[float] = None) -> jax.Array:
+def inverse_leaf(node: WaveletCoefficients, weight: jax.Array | None, clip: float | None = None) -> jax.Array:
     """``waverec([node.approx, D_l * w, ..., D_1 * w])`` cut to the array's length.
 
     `weight` ``w`` is per approximation coefficient (approx's shape; repeated
@@ -344,7 +344,7 @@ def inverse_leaf(node: WaveletCoefficients, weight: Optional[jax.Array], clip: O
     return jax.lax.slice_in_dim(full, 0, spec.length, axis=spec.axis)
 
 
-def _haar_inverse(node: WaveletCoefficients, weight: Optional[jax.Array]) -> jax.Array:
+def _haar_inverse(node: WaveletCoefficients, weight: jax.Array | None) -> jax.Array:
     """`inverse_leaf` in Haar closed form: ``(G - mean) * w + N / sqrt(B)`` per block.
 
     Written ``G * w + (N - A * w) / sqrt(B)``: one full-size multiply-add of
@@ -352,7 +352,10 @@ def _haar_inverse(node: WaveletCoefficients, weight: Optional[jax.Array]) -> jax
     """
     spec, dtype = node.spec, node.approx.dtype
     s = jnp.asarray(1 / math.sqrt(spec.block), dtype)
-    repeat = lambda x: haar.repeat_blocks(x, spec.axis, spec.block, spec.length)
+
+    def repeat(x):
+        return haar.repeat_blocks(x, spec.axis, spec.block, spec.length)
+
     if weight is None:
         return repeat(node.approx * s)
     w = weight.astype(dtype)

@@ -21,14 +21,14 @@ projection.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optax_gwt import haar
-from optax_gwt import sharding as sharding_lib
+from optax_gwt import haar, sharding as sharding_lib
 from optax_gwt.adam import GWTBase, Preconditioner, _scalar_dtype
 from optax_gwt.projection import (
     AdamTerms,
@@ -103,7 +103,7 @@ def wavelet_project(projection: WaveletProjection = WaveletProjection()) -> opta
         leaves, treedef = _flatten(updates)
         _require(not any(map(is_coefficients, leaves)), "wavelet_project", "the updates are already projected")
         specs, _ = projection.leaf_specs(updates)
-        out = [g if s is None else project_leaf(g, s) for g, s in zip(leaves, specs)]
+        out = [g if s is None else project_leaf(g, s) for g, s in zip(leaves, specs, strict=True)]
         return treedef.unflatten(out), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
@@ -133,7 +133,10 @@ def _approx_zeros(params: Any, projection: WaveletProjection) -> Any:
     specs, treedef = projection.leaf_specs(params)
     leaves = treedef.flatten_up_to(params)
     return treedef.unflatten(
-        [p if s is None else sharding_lib.zeros_following(p, s.approx_shape, p.dtype) for p, s in zip(leaves, specs)]
+        [
+            p if s is None else sharding_lib.zeros_following(p, s.approx_shape, p.dtype)
+            for p, s in zip(leaves, specs, strict=True)
+        ]
     )
 
 
@@ -141,7 +144,7 @@ def _check_projection(leaves: list, treedef, projection: WaveletProjection) -> N
     """That the incoming nodes are where, and as, `projection` would have made them."""
     shapes = [jax.ShapeDtypeStruct(x.spec.shape, x.spec.dtype) if is_coefficients(x) else x for x in leaves]
     expected, _ = projection.leaf_specs(treedef.unflatten(shapes))
-    for x, spec in zip(leaves, expected):
+    for x, spec in zip(leaves, expected, strict=True):
         got = x.spec if is_coefficients(x) else None
         if spec is not None and got is None:
             _require(False, "on_approximation", f"{spec.path} is not projected: wavelet_project must come before")
@@ -154,7 +157,7 @@ def _check_projection(leaves: list, treedef, projection: WaveletProjection) -> N
             )
 
 
-def _projection_key(spec) -> Optional[tuple]:
+def _projection_key(spec) -> tuple | None:
     """A `LeafSpec` without its path (the path differs under optax.masked and multi_transform)."""
     return None if spec is None else (spec.shape, spec.axis, spec.level, spec.wavelet, spec.mode)
 
@@ -168,7 +171,7 @@ def _check_state(inner: optax.GradientTransformation, inner_in: Any, inner_state
             "on_approximation: the updates do not match the optimizer state (initialised for "
             f"another params tree).\n  updates give: {want[1]}\n  state holds:  {have[1]}"
         )
-    for (path, w), (_, h) in zip(want[0], have[0]):
+    for (path, w), (_, h) in zip(want[0], have[0], strict=True):
         if jnp.shape(w) != jnp.shape(h):
             raise ValueError(
                 f"on_approximation: state leaf {jax.tree_util.keystr(path)} was built with shape "
@@ -180,7 +183,7 @@ def on_approximation(
     inner: optax.GradientTransformation,
     projection: WaveletProjection = WaveletProjection(),
     *,
-    preconditioner: Optional[Callable[[optax.OptState], Optional[Preconditioner]]] = None,
+    preconditioner: Callable[[optax.OptState], Preconditioner | None] | None = None,
 ) -> optax.GradientTransformation:
     """Stage 2 of GWT: a base optimizer on the approximation coefficients only.
 
@@ -240,7 +243,7 @@ def on_approximation(
             sq_norms = [None] * len(leaves)
         pre = preconditioner(inner_state) if preconditioner is not None else None
         out = _carry(leaves, treedef.flatten_up_to(steps), pre, treedef, exact)
-        out = [x.replace(sq_norm=sq) if is_coefficients(x) else x for x, sq in zip(out, sq_norms)]
+        out = [x.replace(sq_norm=sq) if is_coefficients(x) else x for x, sq in zip(out, sq_norms, strict=True)]
         return treedef.unflatten(out), OnApproximationState(inner_state)
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -254,7 +257,7 @@ def _approx_params(params: Any, projection: WaveletProjection) -> Any:
     specs, treedef = projection.leaf_specs(params)
     leaves = treedef.flatten_up_to(params)
     return treedef.unflatten(
-        [p if s is None else project_leaf(p, s).approx.astype(p.dtype) for p, s in zip(leaves, specs)]
+        [p if s is None else project_leaf(p, s).approx.astype(p.dtype) for p, s in zip(leaves, specs, strict=True)]
     )
 
 
@@ -270,12 +273,12 @@ def _haar_signals(leaves: list, treedef) -> Any:
     return treedef.unflatten([one(x) for x in leaves])
 
 
-def _carry(leaves: list, steps: list, pre: Optional[Preconditioner], treedef, exact: bool) -> list:
+def _carry(leaves: list, steps: list, pre: Preconditioner | None, treedef, exact: bool) -> list:
     """The base's steps put into the nodes, with its preconditioner's terms for each."""
     mus = treedef.flatten_up_to(pre.mu) if pre is not None else [None] * len(leaves)
     nus = treedef.flatten_up_to(pre.nu) if pre is not None else [None] * len(leaves)
     out = []
-    for x, n, mu, nu in zip(leaves, steps, mus, nus):
+    for x, n, mu, nu in zip(leaves, steps, mus, nus, strict=True):
         if not is_coefficients(x):
             out.append(n)
             continue
@@ -362,7 +365,10 @@ def limit_norm_growth(gamma: float = 1.01) -> optax.GradientTransformation:
         if index:
             dt = _scalar_dtype([r_prev[k] for k in index])
             # ||approx / step_scale|| of every array as one vector: one op, not one per array.
-            given = lambda x: x.sq_norm is not None
+
+            def given(x):
+                return x.sq_norm is not None
+
             sq = jnp.stack(
                 [x.sq_norm if given(x) else jnp.sum(jnp.square(x.approx)) for x in (leaves[k] for k in index)]
             )
@@ -386,12 +392,15 @@ def limit_norm_growth(gamma: float = 1.01) -> optax.GradientTransformation:
 # ---------------------------------------------------------------------------
 
 
-def _detail_weight(x: WaveletCoefficients, rule: str, bias_correct_details: bool) -> Optional[jax.Array]:
+def _detail_weight(x: WaveletCoefficients, rule: str, bias_correct_details: bool) -> jax.Array | None:
     """The factor of the details (per approximation coefficient, a scalar, or None)."""
     if rule == "zero":
         return None
     if rule == "norm_ratio":
-        norm = lambda a: jnp.sqrt(jnp.sum(jnp.square(a.astype(_scalar_dtype(a)))))
+
+        def norm(a):
+            return jnp.sqrt(jnp.sum(jnp.square(a.astype(_scalar_dtype(a)))))
+
         a_norm = norm(x.grad_approx)
         return jnp.where(a_norm > 0, norm(x.approx) / jnp.where(a_norm > 0, a_norm, 1.0), 0.0)
     return _adam_detail_factor(x, bias_correct_details) / (x.adam.denominator() * _limit(x))
@@ -419,7 +428,7 @@ def _resolve_rule(x: WaveletCoefficients, rule: str) -> str:
     return rule
 
 
-def _inverse_node(x: WaveletCoefficients, rule: str, bias_correct_details: bool, clip: Optional[float]) -> jax.Array:
+def _inverse_node(x: WaveletCoefficients, rule: str, bias_correct_details: bool, clip: float | None) -> jax.Array:
     """The full-size update of one node (before `scale`), in its compute dtype."""
     rule = _resolve_rule(x, rule)
     fused = rule == "adam" and clip is None and x.exact and x.spec.closed_form
@@ -446,7 +455,7 @@ def wavelet_inverse(
     detail_rule: str = "auto",
     *,
     bias_correct_details: bool = True,
-    detail_clip: Optional[float] = None,
+    detail_clip: float | None = None,
 ) -> optax.GradientTransformation:
     """Stages 4-5 of GWT: the details rescaled, and the full-size update rebuilt.
 

@@ -9,7 +9,7 @@ lives in one stage.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,24 +35,24 @@ STATIC_ARGS = ("level", "axis", "min_dim_size", "wavelet", "mode", "mu_dtype", "
 
 
 def scale_by_gwt(
-    base_optimizer: Optional[optax.GradientTransformation] = None,
+    base_optimizer: optax.GradientTransformation | None = None,
     *,
     level: int = 2,
     wavelet: str = "haar",
     mode: str = "zero",
     scale: float = 0.25,
-    norm_growth_limit: Optional[float] = 1.01,
+    norm_growth_limit: float | None = 1.01,
     detail_rule: str = "auto",
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-6,
     bias_correct_details: bool = True,
-    detail_clip: Optional[float] = None,
+    detail_clip: float | None = None,
     axis: AxisSpec = 0,
     mask: MaskSpec = None,
-    min_dim_size: Optional[int] = None,
-    mu_dtype: Optional[Any] = None,
-    nu_dtype: Optional[Any] = None,
+    min_dim_size: int | None = None,
+    mu_dtype: Any | None = None,
+    nu_dtype: Any | None = None,
     cpu_kernel: bool = True,
 ) -> optax.GradientTransformation:
     """GWT as one transformation: the chain of its four stages.
@@ -131,15 +131,15 @@ def gwt_adamw(
     wavelet: str = "haar",
     mode: str = "zero",
     scale: float = 0.25,
-    norm_growth_limit: Optional[float] = 1.01,
+    norm_growth_limit: float | None = 1.01,
     detail_rule: str = "auto",
     bias_correct_details: bool = True,
-    detail_clip: Optional[float] = None,
+    detail_clip: float | None = None,
     axis: AxisSpec = 0,
     wavelet_mask: MaskSpec = None,
-    min_dim_size: Optional[int] = None,
-    mu_dtype: Optional[Any] = None,
-    nu_dtype: Optional[Any] = None,
+    min_dim_size: int | None = None,
+    mu_dtype: Any | None = None,
+    nu_dtype: Any | None = None,
     cpu_kernel: bool = True,
 ) -> optax.GradientTransformation:
     """GWT-AdamW, the optimizer of the paper (the authors' WaveAdamW).

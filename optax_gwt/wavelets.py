@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -96,7 +96,7 @@ def get_wavelet(wavelet) -> Wavelet:
     return _wavelet_by_name(wavelet)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _wavelet_by_name(name: str) -> Wavelet:
     return Wavelet(name)
 
