@@ -5,9 +5,12 @@ Build (no network needed): ``python -m sphinx -W -b html docs docs/_build/html``
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import sys
+
+from sphinx.pycode import ModuleAnalyzer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the checkout's optax_gwt, also when it is not installed
@@ -45,9 +48,8 @@ autodoc_typehints = "signature"
 autodoc_default_options: dict = {}  # members are asked for where wanted
 napoleon_use_ivar = True  # Attributes: as fields, not entries that would double autodoc's
 # Optax's type aliases as written in the signatures, not expanded into their unions.
-autodoc_type_aliases = {
-    name: name for name in ("optax.ScalarOrSchedule", "optax.Schedule", "optax.OptState", "optax.Updates", "optax.Params")
-}
+_OPTAX_ALIASES = ("optax.ScalarOrSchedule", "optax.Schedule", "optax.OptState", "optax.Updates", "optax.Params")
+autodoc_type_aliases = {name: name for name in _OPTAX_ALIASES}
 autosummary_generate = False  # the tables link to the entries on the same page; nothing is generated
 add_module_names = True
 
@@ -103,5 +105,20 @@ def _rst_friendly(app, what, name, obj, options, lines: list[str]) -> None:
     lines[:] = out
 
 
+def _constant_doc(app, what, name, obj, options, lines: list[str]) -> None:
+    """A constant re-exported at the top (``optax_gwt.STATIC_ARGS``) gets its ``#:`` comment, never its type's doc."""
+    if what != "data" or not type(obj).__doc__ or inspect.getdoc(obj) != inspect.getdoc(type(obj)):
+        return
+    short = name.rsplit(".", 1)[-1]
+    for modname, module in sorted(sys.modules.items()):
+        if modname.startswith("optax_gwt") and getattr(module, short, None) is obj:
+            doc = ModuleAnalyzer.for_module(modname).find_attr_docs().get(("", short))
+            if doc:
+                lines[:] = list(doc)
+                return
+    lines[:] = []
+
+
 def setup(app):
     app.connect("autodoc-process-docstring", _rst_friendly, priority=400)  # before napoleon (500)
+    app.connect("autodoc-process-docstring", _constant_doc, priority=300)
