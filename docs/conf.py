@@ -119,6 +119,14 @@ def _constant_doc(app, what, name, obj, options, lines: list[str]) -> None:
     lines[:] = []
 
 
+def _skip_tuple_fields(app, what, name, obj, skip, options):
+    """NamedTuple fields: their docstrings say "Alias for field number 0"; the class's Attributes describe them."""
+    if what == "class" and (getattr(obj, "__doc__", None) or "").startswith("Alias for field number"):
+        return True
+    return None
+
+
 def setup(app):
+    app.connect("autodoc-skip-member", _skip_tuple_fields)
     app.connect("autodoc-process-docstring", _rst_friendly, priority=400)  # before napoleon (500)
     app.connect("autodoc-process-docstring", _constant_doc, priority=300)
