@@ -102,7 +102,36 @@ def _rst_friendly(app, what, name, obj, options, lines: list[str]) -> None:
             out[-1] = out[-1] + " " + line.strip()  # the name list goes on
             continue
         out.append(line)
-    lines[:] = out
+    lines[:] = _split_attribute_groups(out)
+
+
+_SECTION = re.compile(r"^\s*(\w[\w ]*):$")
+_GROUP = re.compile(r"^(\s+)(\w+(?:, \w+)+): (.*)$")
+
+
+def _split_attribute_groups(lines: list[str]) -> list[str]:
+    """``a, b: what`` under Attributes: napoleon takes it for one attribute; one entry per name instead."""
+    out: list[str] = []
+    section, i = None, 0
+    while i < len(lines):
+        line = lines[i]
+        header = _SECTION.match(line)
+        if header and not line.startswith((" ", "\t")):
+            section = header.group(1)
+        group = _GROUP.match(line) if section == "Attributes" else None
+        if not group:
+            out.append(line)
+            i += 1
+            continue
+        indent, names, first = group.groups()
+        body = [first]
+        i += 1
+        while i < len(lines) and lines[i].strip() and _indent(lines[i]) > len(indent):
+            body.append(lines[i].strip())
+            i += 1
+        for name in names.split(", "):
+            out.append(f"{indent}{name}: " + " ".join(body))
+    return out
 
 
 def _constant_doc(app, what, name, obj, options, lines: list[str]) -> None:
