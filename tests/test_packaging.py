@@ -31,6 +31,11 @@ def test_pyproject_reads_the_version_from_the_package():
     assert (PACKAGE / "py.typed").is_file()
 
 
+def test_the_sdist_leaves_the_checkout_folders_out():
+    lines = (ROOT / "MANIFEST.in").read_text().splitlines()
+    assert {f"prune {d}" for d in ("tests", "examples", "benchmarks", "docs", "results")} <= set(lines)
+
+
 def _imported_modules(path: pathlib.Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
