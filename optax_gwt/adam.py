@@ -144,7 +144,7 @@ def adam_preconditioner(
         if adam is None:
             return None
         dt = _scalar_dtype(adam.nu)
-        t = adam.count.astype(dt)
+        t = jnp.asarray(adam.count).astype(dt)
         one = jnp.ones([], dt)
         bc1 = 1 - jnp.asarray(b1, dt) ** t if bias_correction else one
         root_bc2 = jnp.sqrt(1 - jnp.asarray(b2, dt) ** t) if bias_correction else one
@@ -230,11 +230,11 @@ def scale_by_reference_adam(
         return m.astype(dt) / (jnp.sqrt(v.astype(dt)) + eps)
 
     def step(updates, state, haar_signals):
-        count = optax.safe_increment(state.count)
+        count = jnp.asarray(optax.safe_increment(state.count))
         signals = haar_signals if haar_signals is not None else jax.tree.map(lambda _: None, updates)
         new = jax.tree.map(moments, updates, state.mu, state.nu, signals, is_leaf=lambda x: x is None)
         mu, nu, sq_norms = (jax.tree.map(lambda _, x, i=i: x[i], updates, new) for i in range(3))
-        factor = 1.0
+        factor: float | jax.Array = 1.0
         if bias_correction:
             t = count.astype(_scalar_dtype(updates))
             factor = jnp.sqrt(1 - b2**t) / (1 - b1**t)

@@ -155,6 +155,7 @@ def haar_adam_moments(
         input_output_aliases={1: 0, 2: 1},
         vmap_method="sequential",
     )
-    return call(
+    m, v, sq = call(
         g, mu, nu, coefficients, outer=np.int64(outer), n=np.int64(n), inner=np.int64(inner), block=np.int64(block)
     )
+    return m, v, sq

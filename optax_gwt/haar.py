@@ -46,6 +46,7 @@ def block_sums(x: jax.Array, axis: int, block: int) -> jax.Array:
             pad[axis] = (0, blocks - part.shape[axis], 0)
             part = jax.lax.pad(part, jnp.zeros([], x.dtype), pad)
         total = part if total is None else total + part
+    assert total is not None, f"block_sums of an empty axis (shape {x.shape}, axis {axis})"
     return total
 
 

@@ -102,7 +102,9 @@ def entry_instructions(hlo_text: str) -> list[Instruction]:
             continue
         name, result_type, opcode, rest = m.groups()
         if opcode == "parameter":
-            out.append(Instruction(name, result_type, opcode, [], int(re.match(r"\d+", rest).group())))
+            number = re.match(r"\d+", rest)
+            assert number is not None, f"a parameter without its number: {line}"
+            out.append(Instruction(name, result_type, opcode, [], int(number.group())))
         else:
             operands = re.findall(r"%([\w.\-]+)", rest.split("),")[0] if ")," in rest else rest)
             out.append(Instruction(name, result_type, opcode, operands, None))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -142,7 +142,7 @@ class WaveletProjection:
         leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
         axes = self._axes(tree, leaves_with_path, treedef)
         selected = self._mask(tree, treedef)
-        specs = []
+        specs: list[LeafSpec | None] = []
         for (path, leaf), axis, sel in zip(leaves_with_path, axes, selected, strict=True):
             name = jax.tree_util.keystr(path)
             if not _is_array_like(leaf):
@@ -263,14 +263,15 @@ class WaveletCoefficients:
     """
 
     approx: jax.Array
-    details: tuple = ()
+    details: tuple[jax.Array, ...] = ()
     signal: jax.Array | None = None
     grad_approx: jax.Array | None = None
     adam: AdamTerms | None = None
     step_scale: jax.Array | None = None
     sq_norm: jax.Array | None = None
     limit: jax.Array | None = None
-    spec: LeafSpec = dataclasses.field(default=None, metadata=dict(static=True))
+    # Always given (by `project_leaf`); the None default only lets it follow the defaulted fields.
+    spec: LeafSpec = dataclasses.field(default=cast(LeafSpec, None), metadata=dict(static=True))
     sharding: Any = dataclasses.field(default=None, metadata=dict(static=True))
     exact: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
@@ -297,6 +298,8 @@ def project_leaf(g: jax.Array, spec: LeafSpec) -> WaveletCoefficients:
     is laid out as the base optimizer's state derived from `g`.
     """
     x = sharding_lib.gather_axis(g, spec.axis).astype(compute_dtype(g.dtype))
+    details: tuple[jax.Array, ...]
+    signal: jax.Array | None
     if spec.closed_form:
         cA = haar.block_sums(x, spec.axis, spec.block) * jnp.asarray(1 / math.sqrt(spec.block), x.dtype)
         details, signal = (), x
@@ -358,6 +361,8 @@ def _haar_inverse(node: WaveletCoefficients, weight: jax.Array | None) -> jax.Ar
 
     if weight is None:
         return repeat(node.approx * s)
+    # In closed form `project_leaf` carries both the gradient and its approximation.
+    assert node.signal is not None and node.grad_approx is not None
     w = weight.astype(dtype)
     offset = (node.approx - node.grad_approx * w) * s
     return node.signal * (w if jnp.ndim(w) == 0 else repeat(w)) + repeat(offset)

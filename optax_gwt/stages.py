@@ -162,11 +162,12 @@ def _projection_key(spec) -> tuple | None:
     return None if spec is None else (spec.shape, spec.axis, spec.level, spec.wavelet, spec.mode)
 
 
-def _check_state(inner: optax.GradientTransformation, inner_in: Any, inner_state: Any) -> None:
+def _check_state(inner: optax.GradientTransformation | GWTBase, inner_in: Any, inner_state: Any) -> None:
     """A clear error when the updates' (compressed) shapes are not those the state was built for."""
     want = jax.tree_util.tree_flatten_with_path(jax.eval_shape(inner.init, inner_in))
     have = jax.tree_util.tree_flatten_with_path(inner_state)
-    if want[1] != have[1]:
+    # jaxlib ships no stub for PyTreeDef (mypy sees an unresolved type), which does define __ne__.
+    if want[1] != have[1]:  # type: ignore[operator]
         raise ValueError(
             "on_approximation: the updates do not match the optimizer state (initialised for "
             f"another params tree).\n  updates give: {want[1]}\n  state holds:  {have[1]}"
@@ -180,7 +181,7 @@ def _check_state(inner: optax.GradientTransformation, inner_in: Any, inner_state
 
 
 def on_approximation(
-    inner: optax.GradientTransformation,
+    inner: optax.GradientTransformation | GWTBase,
     projection: WaveletProjection = WaveletProjection(),
     *,
     preconditioner: Callable[[optax.OptState], Preconditioner | None] | None = None,
@@ -310,7 +311,7 @@ class LimitNormGrowthState(NamedTuple):
       ()
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field named like tuple.count, as in optax's states
     norm_prev: Any
 
 
@@ -381,7 +382,7 @@ def limit_norm_growth(gamma: float = 1.01) -> optax.GradientTransformation:
                     approx=leaves[k].approx / lam[j].astype(leaves[k].approx.dtype), limit=lam[j]
                 )
                 new_prev[k] = (r[j] / lam[j]).astype(r_prev[k].dtype)
-        new_state = LimitNormGrowthState(optax.safe_increment(state.count), treedef.unflatten(new_prev))
+        new_state = LimitNormGrowthState(jnp.asarray(optax.safe_increment(state.count)), treedef.unflatten(new_prev))
         return treedef.unflatten(out), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -403,10 +404,12 @@ def _detail_weight(x: WaveletCoefficients, rule: str, bias_correct_details: bool
 
         a_norm = norm(x.grad_approx)
         return jnp.where(a_norm > 0, norm(x.approx) / jnp.where(a_norm > 0, a_norm, 1.0), 0.0)
+    assert x.adam is not None  # rule "adam": checked by _resolve_rule
     return _adam_detail_factor(x, bias_correct_details) / (x.adam.denominator() * _limit(x))
 
 
 def _adam_detail_factor(x: WaveletCoefficients, bias_correct_details: bool) -> jax.Array:
+    assert x.adam is not None  # rule "adam": checked by _resolve_rule
     return x.adam.step if bias_correct_details else x.adam.unbiased_step
 
 
@@ -436,6 +439,8 @@ def _inverse_node(x: WaveletCoefficients, rule: str, bias_correct_details: bool,
         return inverse_leaf(x, _detail_weight(x, rule, bias_correct_details), clip)
     # The explicit fusion of a `GWTBase` Adam's step with the Haar inverse: the
     # step is rebuilt from the moments inside the full-size pass (haar.adam_update).
+    # Rule "adam" (checked by _resolve_rule) in Haar closed form, where project_leaf carries the gradient.
+    assert x.adam is not None and x.signal is not None and x.grad_approx is not None
     lam = _limit(x)
     return haar.adam_update(
         x.signal,

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_gwt.adam import adam_preconditioner, scale_by_reference_adam
+from optax_gwt.adam import GWTBase, adam_preconditioner, scale_by_reference_adam
 from optax_gwt.projection import AxisSpec, MaskSpec, WaveletProjection
 from optax_gwt.stages import DETAIL_RULES, limit_norm_growth, on_approximation, wavelet_inverse, wavelet_project
 
@@ -103,6 +103,7 @@ def scale_by_gwt(
     projection = WaveletProjection(level, wavelet, mode, axis, mask, min_dim_size)
     if detail_rule not in DETAIL_RULES:
         raise ValueError(f"detail_rule must be one of {DETAIL_RULES}, got {detail_rule!r}")
+    base: optax.GradientTransformation | GWTBase
     if base_optimizer is None:
         kernel = (
             cpu_kernel and norm_growth_limit is not None and detail_rule in ("auto", "adam") and detail_clip is None
@@ -210,7 +211,7 @@ class DecayAfterStepState(NamedTuple):
       0
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field named like tuple.count, as in optax's states
 
 
 def decay_weights_after_step(
@@ -242,7 +243,7 @@ def decay_weights_after_step(
             raise ValueError("decay_weights_after_step needs the params: pass them to update().")
         lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
         out = jax.tree_util.tree_map(lambda u, p: u - lr * weight_decay * (p + u), updates, params)
-        return out, DecayAfterStepState(count=optax.safe_increment(state.count))
+        return out, DecayAfterStepState(count=jnp.asarray(optax.safe_increment(state.count)))
 
     return optax.GradientTransformation(init_fn, update_fn)
 

@@ -282,6 +282,7 @@ def dwt(x: jax.Array, wavelet: str = "haar", mode: str = "symmetric", axis: int 
         hi = tap * jnp.asarray(w.dec_hi[j], dtype=x.dtype)
         ca = lo if ca is None else ca + lo
         cd = hi if cd is None else cd + hi
+    assert ca is not None and cd is not None  # a wavelet has at least two taps
     return ca, cd
 
 
@@ -305,18 +306,21 @@ def idwt(
     length L the output has length ``2L - F + 2`` (``2L`` in periodization mode).
     """
     _check_mode(mode)
-    if ca is None and cd is None:
+    if ca is not None:
+        ref = ca
+    elif cd is not None:
+        ref = cd
+    else:
         raise ValueError("idwt needs at least one of ca and cd")
     if ca is not None and cd is not None and ca.shape != cd.shape:
         raise ValueError(f"ca and cd must have the same shape, got {ca.shape} and {cd.shape}")
     w = get_wavelet(wavelet)
-    ref = ca if ca is not None else cd
     axis = _normalize_axis(axis, ref.ndim)
     f = w.length
     if w.is_haar:
         s = jnp.asarray(1 / math.sqrt(2), dtype=ref.dtype)
-        if ca is None:
-            return _interleave(cd * s, -cd * s, axis)
+        if ca is None:  # then ref is cd
+            return _interleave(ref * s, -ref * s, axis)
         if cd is None:
             return _interleave(ca * s, ca * s, axis)
         return _interleave((ca + cd) * s, (ca - cd) * s, axis)
@@ -328,10 +332,10 @@ def idwt(
         shift, left, count = f - 2, 0, length - f // 2 + 1
         if count < 1:
             raise ValueError(f"coefficients of length {length} are too short for {wavelet!r}")
-    phases = []
+    phases: list[jax.Array] = []
     for r in range(2):
         q, rr = divmod(r + shift, 2)
-        acc = None
+        acc: jax.Array | None = None
         for c, g in ((ca, w.rec_lo), (cd, w.rec_hi)):
             if c is None:
                 continue
@@ -341,6 +345,7 @@ def idwt(
                 part = jax.lax.slice_in_dim(ext, start, start + count, axis=axis)
                 part = part * jnp.asarray(g[2 * i + rr], dtype=c.dtype)
                 acc = part if acc is None else acc + part
+        assert acc is not None  # one of ca and cd is given, and f // 2 >= 1
         phases.append(acc)
     return _interleave(phases[0], phases[1], axis)
 
