@@ -377,11 +377,11 @@ def test_compare_writes_table_and_plot(corpus, tmp_path):
 
 
 def test_readme_tables_are_the_saved_results_and_regenerate(tmp_path, monkeypatch, capsys):
-    """The README's results tables are those of results/llama and results/llama-long.
+    """The study page's results tables are those of results/llama and results/llama-long.
 
     ``--report --readme`` rewrites one block."""
     monkeypatch.chdir(REPO)
-    readme = open("README.md").read()
+    readme = open("docs/study.md").read()  # the tables' page since the README became a front page
     for directory in ("results/llama", "results/llama-long"):
         report = compare.load_report(directory)
         assert compare.table(report["runs"]) in readme and compare.provenance(report) in readme
