@@ -4,8 +4,8 @@
 
 Nothing here is measured: the figure is a diagram of `optax_gwt`'s defaults (Haar,
 level 2, the transform along axis 0), drawn with matplotlib. The sizes printed in it
-are computed with `optax_gwt.wavelets.coeff_lengths` and `optax_gwt.optimizer_state_bytes`,
-so they are the library's own.
+are computed with `optax_gwt.wavelets.coeff_lengths` and the optimizers' own `init`
+(`jax.eval_shape`), so they are the library's.
 """
 
 from __future__ import annotations
@@ -55,12 +55,13 @@ def layout(ax) -> None:
         )
         ax.text(xs + i * (M / 2 + 4) + M / 4, N - lengths[0] / 2, moment, ha="center", va="center", color="white")
     params = {"w": jax.ShapeDtypeStruct((N, M), jnp.float32)}
-    adam = optax_gwt.optimizer_state_bytes(optax.adam(1e-3), params).per_param["w"]
-    gwt = optax_gwt.optimizer_state_bytes(optax_gwt.gwt_adamw(1e-3, level=LEVEL), params).per_param["w"]
+    state = jax.eval_shape(optax_gwt.gwt_adamw(1e-3, level=LEVEL).init, params)
+    moments = optax.tree_utils.tree_get(state, "mu")["w"].shape  # the base's first moment, on A
+    adam = jax.eval_shape(optax.adam(1e-3).init, params)[0].mu["w"].shape
     ax.text(
         xs + M / 2,
         N - lengths[0] - 4,
-        f"Adam state on A only\n{lengths[0]} x {M} each\n{gwt:,} bytes with the\nlimiter's norm (Adam: {adam:,})",
+        f"Adam state on A only:\nm, v of {moments[0]} x {moments[1]}\n(Adam's: {adam[0]} x {adam[1]})",
         ha="center",
         va="top",
         fontsize=8.5,
