@@ -28,6 +28,7 @@ extensions = [
     "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
+    "sphinx.ext.viewcode",  # [source] links to the highlighted code of each entry
 ]
 
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
