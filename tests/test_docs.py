@@ -12,6 +12,7 @@ The site itself is built by ``python -m sphinx -W -b html docs docs/_build/html`
 from __future__ import annotations
 
 import doctest
+import glob
 import importlib
 import importlib.util
 import json
@@ -285,3 +286,24 @@ def test_figure_script_runs(tmp_path):
     with open(script.OUT, "rb") as fh:
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.exists(os.path.join(DOCS, "figures", "gwt_stages.png"))
+
+
+_PATH = re.compile(r"(?<![\w/.-])((?:examples|benchmarks|results|optax_gwt|tests|docs)/[\w./-]*\w)")
+_MODULE = re.compile(r"python -m ((?:examples|benchmarks|optax_gwt)[\w.]*)")
+
+
+@pytest.mark.parametrize("path", [README, *PAGES], ids=[os.path.relpath(p, REPO) for p in [README, *PAGES]])
+def test_named_files_and_modules_exist(path):
+    """The files (``examples/llama/train.py``, ``results/plan/1b-...``) and ``python -m`` modules a page names exist.
+
+    An output prefix (``--out results/plan/1b-1dev-h100``) counts when files start with it; the
+    ``Command:`` lines of saved results are history, and not checked.
+    """
+    text = "\n".join(line for line in read(path).splitlines() if not line.startswith("Command: "))
+    missing = []
+    for name in sorted(set(_PATH.findall(text))):
+        where = os.path.join(REPO, name)
+        if not (os.path.exists(where) or glob.glob(glob.escape(where) + "*")):
+            missing.append(name)
+    missing += [f"-m {m}" for m in sorted(set(_MODULE.findall(text))) if importlib.util.find_spec(m) is None]
+    assert not missing, f"{os.path.relpath(path, REPO)} names what does not exist: {missing}"
