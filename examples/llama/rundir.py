@@ -5,7 +5,16 @@
     config.json     the resolved configuration: every flag, the learning rate
                     used, the model config, the command, commit and versions
     metrics.jsonl   one JSON line per step (loss, grad_norm, lr_factor,
-                    tokens_per_s; val_loss/val_ppl at evaluations)
+                    tokens_per_s; val_loss/val_ppl at evaluations); with
+                    ``--diagnostics`` also, per parameter group G (qk: attention
+                    q/k kernels, vo: v/o kernels, mlp: gate/up/down kernels,
+                    other: embedding, norms, head; `examples.llama.diagnostics`):
+                    update_norm/G (norm of the applied update), highfreq_share/G
+                    (share of the update's energy off its means over blocks
+                    of 2^level entries along --diagnostics-axis: for Haar GWT
+                    the details' share) and, for GWT's limiter only,
+                    limiter_scale_mean/G and limiter_scale_max/G (the factor
+                    lam >= 1 the step's approximation was divided by)
     checkpoints/    Orbax checkpoints (`examples.llama.checkpoint`)
     loss.png        training and validation loss vs step
 

@@ -39,7 +39,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import optax_gwt
-from examples.llama import data as data_lib, mesh as mesh_lib, rundir
+from examples.llama import data as data_lib, diagnostics as diagnostics_lib, mesh as mesh_lib, rundir
 from examples.llama.checkpoint import Checkpointer, run_metadata
 from optax_gwt import modular
 from optax_gwt.models import llama as model_lib
@@ -70,11 +70,18 @@ def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, batch: jax.Array) -> jax.
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, grad_accum: int = 1) -> Callable:
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    grad_accum: int = 1,
+    diagnostics: Callable[[Any, Any], dict] | None = None,
+) -> Callable:
     """``(params, opt_state, batch) -> (params, opt_state, metrics)``, jitted, params and state donated.
 
     The batch (batch, seq_len + 1) is split into `grad_accum` micro-batches
     whose gradients are averaged in a `jax.lax.scan` (memory of one micro-batch).
+    `diagnostics`, given: ``(updates, new opt_state) -> {key: scalar}`` (such as
+    `examples.llama.diagnostics.collect`), merged into the metrics.
     """
 
     def train_step(params, opt_state, batch):
@@ -89,7 +96,10 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, gr
         grads = jax.tree.map(lambda g: g / grad_accum, grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": losses.mean(), "grad_norm": optax.tree.norm(grads)}
+        metrics = {"loss": losses.mean(), "grad_norm": optax.tree.norm(grads)}
+        if diagnostics is not None:
+            metrics.update(diagnostics(updates, opt_state))
+        return params, opt_state, metrics
 
     return jax.jit(train_step, donate_argnums=(0, 1))
 
@@ -176,6 +186,17 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quiet", action="store_true", help="no start line and no progress bar: only the final summary")
     g.add_argument("--json", action="store_true", help="print nothing but the summary, as one JSON line (for scripts)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--diagnostics",
+        action="store_true",
+        help="also record per step, per parameter group (qk, vo, mlp, other), in metrics.jsonl: the update's "
+        "norm (update_norm/G), its high-frequency share (highfreq_share/G) and GWT's limiter factor "
+        "(limiter_scale_mean/G, limiter_scale_max/G); see examples.llama.diagnostics",
+    )
+    g.add_argument("--diagnostics-axis", type=int, default=0, help="the axis of highfreq_share's block means")
+    g.add_argument(
+        "--diagnostics-level", type=int, default=None, help="highfreq_share's blocks are 2^level; None: --level"
+    )
 
 
 def _add_device_args(p: argparse.ArgumentParser) -> None:
@@ -295,13 +316,22 @@ def _data_spec(args: argparse.Namespace) -> data_lib.DataSpec:
     )
 
 
+def _diagnostics(args: argparse.Namespace) -> Callable | None:
+    """`examples.llama.diagnostics.collect` at the ``--diagnostics-*`` axis and level, if ``--diagnostics``."""
+    if not args.diagnostics:
+        return None
+    level = args.level if args.diagnostics_level is None else args.diagnostics_level
+    return functools.partial(diagnostics_lib.collect, axis=args.diagnostics_axis, level=level)
+
+
 def make_job(args: argparse.Namespace) -> Job:
     """Data, model, optimizer and the jitted steps; sharded over ``--mesh`` when given."""
     tokenizer, train_data, val_batches = data_lib.make_data(_data_spec(args))
     cfg = model_lib.get_config(args.config, tokenizer.vocab_size, **_model_overrides(args.model))
     graphdef, params = nnx.split(model_lib.Llama(cfg, nnx.Rngs(args.seed)), nnx.Param)
     tx = make_optimizer(args, params)
-    train_step, eval_step = make_train_step(graphdef, tx, args.grad_accum), make_eval_step(graphdef)
+    train_step = make_train_step(graphdef, tx, args.grad_accum, _diagnostics(args))
+    eval_step = make_eval_step(graphdef)
     place_batch = lambda batch: batch  # noqa: E731
     if args.mesh:
         mesh = mesh_lib.make_mesh(args.mesh)
@@ -421,6 +451,7 @@ def _train_loop(
         step += 1
         record = {"step": step, "tokens": step * tokens_per_step, "loss": loss, "grad_norm": float(m["grad_norm"]),
                   "lr_factor": float(lr_fn(step - 1)), "tokens_per_s": speed.per_second()}  # fmt: skip
+        record.update({k: float(v) for k, v in m.items() if "/" in k})  # the --diagnostics keys
         if step % args.eval_every == 0 or step == last:
             record["val_loss"] = evaluate(job.eval_step, job.params, job.val_batches)
             record["val_ppl"] = math.exp(min(record["val_loss"], 50.0))
