@@ -55,8 +55,8 @@ def optimizer_state_bytes(optimizer: optax.GradientTransformation, params: Any) 
       >>> params = {"w": jax.ShapeDtypeStruct((512, 512), jnp.float32)}
       >>> adam = optax_gwt.optimizer_state_bytes(optax.adam(1e-3), params).per_param["w"]
       >>> gwt = optax_gwt.optimizer_state_bytes(optax_gwt.gwt_adamw(1e-3, level=2), params).per_param["w"]
-      >>> adam, gwt  # m and v; a quarter of each, and the limiter's scalar
-      (2097152, 524292)
+      >>> adam, gwt  # m and v; a quarter of each, and the limiter's two scalars (norm, scale)
+      (2097152, 524296)
     """
     state = jax.eval_shape(optimizer.init, params)
     param_paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]

@@ -304,6 +304,9 @@ class LimitNormGrowthState(NamedTuple):
       count: steps taken (int32 scalar); the first step is not limited.
       norm_prev: per array, the previous step's norm ``r_prev`` (a scalar in
         float32, float64 for float64 params; 0 where not transformed).
+      scale: per array, the factor ``lam`` the last step was divided by (a
+        scalar like ``norm_prev``; 1 before the first step and where not
+        transformed): a diagnostic, never read by the update.
 
     Example:
       >>> import jax.numpy as jnp, optax_gwt
@@ -313,6 +316,7 @@ class LimitNormGrowthState(NamedTuple):
 
     count: jax.Array  # type: ignore[assignment]  # a field named like tuple.count, as in optax's states
     norm_prev: Any
+    scale: Any
 
 
 def limit_norm_growth(gamma: float = 1.01) -> optax.GradientTransformation:
@@ -349,7 +353,8 @@ def limit_norm_growth(gamma: float = 1.01) -> optax.GradientTransformation:
 
     def init_fn(params):
         norm_prev = jax.tree.map(lambda p: sharding_lib.zeros_following(p, (), _scalar_dtype(p)), params)
-        return LimitNormGrowthState(jnp.zeros([], jnp.int32), norm_prev)
+        scale = jax.tree.map(jnp.ones_like, norm_prev)
+        return LimitNormGrowthState(jnp.zeros([], jnp.int32), norm_prev, scale)
 
     def update_fn(updates, state, params=None):
         del params
@@ -362,7 +367,7 @@ def limit_norm_growth(gamma: float = 1.01) -> optax.GradientTransformation:
                 f"{leaves[k].spec.path} has not been through on_approximation, or was limited twice",
             )
         r_prev = treedef.flatten_up_to(state.norm_prev)
-        out, new_prev = list(leaves), list(r_prev)
+        out, new_prev, new_scale = list(leaves), list(r_prev), treedef.flatten_up_to(state.scale)
         if index:
             dt = _scalar_dtype([r_prev[k] for k in index])
             # ||approx / step_scale|| of every array as one vector: one op, not one per array.
@@ -382,7 +387,10 @@ def limit_norm_growth(gamma: float = 1.01) -> optax.GradientTransformation:
                     approx=leaves[k].approx / lam[j].astype(leaves[k].approx.dtype), limit=lam[j]
                 )
                 new_prev[k] = (r[j] / lam[j]).astype(r_prev[k].dtype)
-        new_state = LimitNormGrowthState(jnp.asarray(optax.safe_increment(state.count)), treedef.unflatten(new_prev))
+                new_scale[k] = lam[j].astype(new_scale[k].dtype)
+        new_state = LimitNormGrowthState(
+            jnp.asarray(optax.safe_increment(state.count)), treedef.unflatten(new_prev), treedef.unflatten(new_scale)
+        )
         return treedef.unflatten(out), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)

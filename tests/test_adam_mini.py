@@ -332,7 +332,7 @@ def test_state_bytes():
     gwt_mini = optax_gwt.scale_by_gwt(_mini(), level=2, detail_rule="norm_ratio")
     w = {"mlp": {"kernel": jax.ShapeDtypeStruct((64, 32), jnp.float32)}}
     gwt_bytes = optax_gwt.optimizer_state_bytes(gwt_mini, w).per_param["mlp"]["kernel"]
-    assert gwt_bytes == 4 * (16 * 32 + 32) + 4  # m on the approximation, v per column, the limiter's norm
+    assert gwt_bytes == 4 * (16 * 32 + 32) + 2 * 4  # m on the approximation, v per column, the limiter's norm, lam
 
 
 def test_docstring_examples_run():

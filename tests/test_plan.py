@@ -95,8 +95,9 @@ out = {}
 for n in (1, 2, 4):
     mesh = Mesh(np.array(jax.devices()[:n]), ("fsdp",))
     put = lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
-    params = {k: put(v, P(None, "fsdp")) for k, v in toy_params().items()}
-    batch = tuple(put(x, P("fsdp")) for x in toy_batch(n))  # micro-batch 1 per device
+    # Matrices large enough that their shards, not the per-device constants, decide the totals.
+    params = {k: put(v, P(None, "fsdp")) for k, v in toy_params(256, 1024).items()}
+    batch = tuple(put(x, P("fsdp")) for x in toy_batch(n, 256))  # micro-batch 1 per device
     tx = optax_gwt.gwt_adamw(1e-3, level=2)  # its compressed moments split like their params
     compiled, state = plan.compile_step(toy_loss, tx, params, batch)
     out[n] = plan.step_memory(compiled, state, batch, params=params).total

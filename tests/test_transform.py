@@ -7,10 +7,9 @@ import optax
 import pytest
 
 import optax_gwt
+from reference import ReferenceGWTAdamW
 
 pytestmark = pytest.mark.usefixtures("x64")
-from optax_gwt import transform
-from reference import ReferenceGWTAdamW
 
 
 def _problem(shapes, seed=0, dtype=np.float64):
@@ -277,7 +276,7 @@ def test_llama60m_state_is_a_quarter():
     biggest = max(x.size for x in jax.tree_util.tree_leaves(gwt_state))
     assert biggest == inter * hidden // 4
     report = optax_gwt.optimizer_state_bytes(optax_gwt.gwt_adamw(1e-3, level=2), params)
-    assert report.per_param["layer0"]["down"] == 2 * (inter // 4) * hidden * 4 + 4  # mu, nu, r_prev
+    assert report.per_param["layer0"]["down"] == 2 * (inter // 4) * hidden * 4 + 2 * 4  # mu, nu, r_prev, lam
 
 
 def test_zero_gradients_give_zero_update():
