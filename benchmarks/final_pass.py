@@ -30,8 +30,11 @@ LR, WD, BLOCK = 1e-3, 0.01, 4
 
 
 def _variants() -> dict:
-    rep = lambda x, n: haar.repeat_blocks(x, 0, BLOCK, n)
-    mean = lambda g: haar.block_sums(g, 0, BLOCK) / BLOCK
+    def rep(x, n):
+        return haar.repeat_blocks(x, 0, BLOCK, n)
+
+    def mean(g):
+        return haar.block_sums(g, 0, BLOCK) / BLOCK
 
     def gwt(g, m, v, lam):
         approx = haar.block_sums(g, 0, BLOCK) * BLOCK**-0.5
@@ -60,7 +63,10 @@ def main() -> None:
     leaves = jax.tree_util.tree_leaves(params)
     rng = np.random.default_rng(0)
     grads = [jnp.asarray(rng.standard_normal(p.shape, dtype=np.float32) * 1e-3) for p in leaves]
-    quarter = lambda p: (-(-p.shape[0] // BLOCK),) + p.shape[1:]
+
+    def quarter(p):
+        return (-(-p.shape[0] // BLOCK),) + p.shape[1:]
+
     mus = [jnp.asarray(rng.standard_normal(quarter(p), dtype=np.float32) * 1e-3) for p in leaves]
     nus = [jnp.square(m) + 1e-8 for m in mus]
     lams = jnp.full([len(leaves)], 1.01, jnp.float32)
@@ -69,7 +75,7 @@ def main() -> None:
         def step(ps, gs, ms, vs, ls):
             return [
                 (p - LR * 0.25 * update(g, m, v, ls[i])) * (1 - LR * WD)
-                for i, (p, g, m, v) in enumerate(zip(ps, gs, ms, vs))
+                for i, (p, g, m, v) in enumerate(zip(ps, gs, ms, vs, strict=True))
             ]
 
         return jax.jit(step, donate_argnums=(0,))
@@ -95,7 +101,8 @@ def main() -> None:
             state[name] = ps
     base = statistics.median(runs[names[0]][1])
     print(
-        f"LLaMA-60M attention+MLP kernels, {sum(p.size for p in leaves) / 1e6:.1f}M params, median of 9 alternating rounds"
+        f"LLaMA-60M attention+MLP kernels, {sum(p.size for p in leaves) / 1e6:.1f}M params, "
+        "median of 9 alternating rounds"
     )
     for name in names:
         t = statistics.median(runs[name][1])

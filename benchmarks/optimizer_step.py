@@ -38,8 +38,9 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,8 +48,8 @@ import numpy as np
 import optax
 
 import optax_gwt
-from optax_gwt.hlo_traffic import entry_traffic
 from benchmarks.llama_shapes import CONFIGS, llama_params, param_labels
+from optax_gwt.hlo_traffic import entry_traffic
 
 LEARNING_RATE = 1e-3
 WEIGHT_DECAY = 0.01
@@ -62,10 +63,15 @@ def optimizers(
 
     `dtype`: the moments' dtype (None: the params'); ``gwtN-xla`` is ``gwtN`` without the CPU kernel.
     """
-    adamw = lambda: optax.adamw(LEARNING_RATE, eps=1e-6, weight_decay=WEIGHT_DECAY, mu_dtype=dtype)
-    gwt = lambda level, kernel=True: optax_gwt.gwt_adamw(
-        LEARNING_RATE, weight_decay=WEIGHT_DECAY, level=level, cpu_kernel=kernel, mu_dtype=dtype, nu_dtype=dtype
-    )
+
+    def adamw():
+        return optax.adamw(LEARNING_RATE, eps=1e-6, weight_decay=WEIGHT_DECAY, mu_dtype=dtype)
+
+    def gwt(level, kernel=True):
+        return optax_gwt.gwt_adamw(
+            LEARNING_RATE, weight_decay=WEIGHT_DECAY, level=level, cpu_kernel=kernel, mu_dtype=dtype, nu_dtype=dtype
+        )
+
     on_matrices = {
         **{f"gwt{level}": functools.partial(gwt, level) for level in (1, 2, 3)},
         # The same without the compiled CPU kernel: XLA alone, as on GPUs and TPUs.
@@ -182,12 +188,16 @@ def measure(opts: dict, params: Any, rounds: int, inner: int, seed: int = 1) -> 
         for name in order:
             results[name]["update_s"].append(runners[name].run_update(inner))
     base = "adamw" if "adamw" in results else names[0]
-    for name, res in results.items():
+    for res in results.values():
         res["step_median_s"] = statistics.median(res["step_s"])
         res["update_median_s"] = statistics.median(res["update_s"])
         # Ratios per round (both runs of a round saw about the same load), then their median.
-        res["step_ratio"] = statistics.median(a / b for a, b in zip(res["step_s"], results[base]["step_s"]))
-        res["update_ratio"] = statistics.median(a / b for a, b in zip(res["update_s"], results[base]["update_s"]))
+        res["step_ratio"] = statistics.median(
+            a / b for a, b in zip(res["step_s"], results[base]["step_s"], strict=True)
+        )
+        res["update_ratio"] = statistics.median(
+            a / b for a, b in zip(res["update_s"], results[base]["update_s"], strict=True)
+        )
     return {"n_params": n_params, "n_arrays": len(sizes), "optimizers": results}
 
 
@@ -275,7 +285,8 @@ def verdict(model_results: dict) -> list[str]:
             + f"update temp {g['update_memory']['temp_bytes'] / 2**20:.2f} MiB vs AdamW "
             f"{a['update_memory']['temp_bytes'] / 2**20:.2f} MiB ({'ok' if ok_update_temp else 'MORE'}); "
             f"train step temp {g['step_memory']['temp_bytes'] / 2**10:.1f} KiB vs AdamW "
-            f"{a['step_memory']['temp_bytes'] / 2**10:.1f} KiB ({'ok' if ok_temp else 'more'}); {g['hlo']['fusions']} fusions, "
+            f"{a['step_memory']['temp_bytes'] / 2**10:.1f} KiB ({'ok' if ok_temp else 'more'}); "
+            f"{g['hlo']['fusions']} fusions, "
             f"{g['hlo']['bytes_read_per_param'] + g['hlo']['bytes_written_per_param']:.1f} B/param moved vs AdamW "
             f"{a['hlo']['bytes_read_per_param'] + a['hlo']['bytes_written_per_param']:.1f}"
         )
@@ -310,7 +321,8 @@ def markdown(report: dict) -> str:
         f"params, gradients and moments in {report.get('dtype', 'float32')}; "
         f"load average at start {m['load_average'][0]:.1f} (shared machine: medians of {report['rounds']} alternating "
         f"rounds of {report['inner']} steps; ratio = median over rounds of the per-round ratio to AdamW). "
-        f"GWT's compiled CPU kernel: {'used (gwt-N rows; gwt2-xla is XLA alone)' if m.get('gwt_cpu_kernel') else 'not used'}.",
+        "GWT's compiled CPU kernel: "
+        f"{'used (gwt-N rows; gwt2-xla is XLA alone)' if m.get('gwt_cpu_kernel') else 'not used'}.",
         "",
         f"Command: `{report['command']}`",
         "",
@@ -319,16 +331,20 @@ def markdown(report: dict) -> str:
         out += [
             f"### {model} ({res['scope']}: {res['n_params'] / 1e6:.1f}M params in {res['n_arrays']} arrays)",
             "",
-            "| optimizer | train step (b) ms | vs AdamW | update (a) ms | vs AdamW | state MiB | step temp MiB | step args MiB | update temp MiB | fusions | B/param read+written | full-size reads/param | update (a) cost-analysis B/param |",
+            "| optimizer | train step (b) ms | vs AdamW | update (a) ms | vs AdamW | state MiB | step temp MiB "
+            "| step args MiB | update temp MiB | fusions | B/param read+written | full-size reads/param "
+            "| update (a) cost-analysis B/param |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for name, r in res["optimizers"].items():
             h = r["hlo"]
             out.append(
-                f"| {name} | {r['step_median_s'] * 1e3:.1f} | {r['step_ratio']:.2f} | {r['update_median_s'] * 1e3:.1f} | "
-                f"{r['update_ratio']:.2f} | {r['state_bytes'] / 2**20:.1f} | {r['step_memory']['temp_bytes'] / 2**20:.1f} | "
+                f"| {name} | {r['step_median_s'] * 1e3:.1f} | {r['step_ratio']:.2f} | "
+                f"{r['update_median_s'] * 1e3:.1f} | {r['update_ratio']:.2f} | {r['state_bytes'] / 2**20:.1f} | "
+                f"{r['step_memory']['temp_bytes'] / 2**20:.1f} | "
                 f"{r['step_memory']['argument_bytes'] / 2**20:.1f} | {r['update_memory']['temp_bytes'] / 2**20:.1f} | "
-                f"{h['fusions']} | {h['bytes_read_per_param'] + h['bytes_written_per_param']:.1f} | {h['full_size_reads_per_param']:.2f} | "
+                f"{h['fusions']} | {h['bytes_read_per_param'] + h['bytes_written_per_param']:.1f} | "
+                f"{h['full_size_reads_per_param']:.2f} | "
                 f"{h.get('update_cost_bytes_per_param', float('nan')):.1f} |"
             )
         out.append("")
@@ -411,12 +427,14 @@ def main(argv=None):
             res["scope"] = scope
             labels = jax.tree_util.tree_leaves(param_labels(params))
             sizes = [int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(params)]
-            res["matrix_fraction"] = sum(n for n, l in zip(sizes, labels) if l == "matrix") / sum(sizes)
+            matrix_size = sum(n for n, lab in zip(sizes, labels, strict=True) if lab == "matrix")
+            res["matrix_fraction"] = matrix_size / sum(sizes)
             report["models"][model if len(scopes) == 1 else f"{model}-{scope}"] = res
             for name, r in res["optimizers"].items():
                 print(
                     f"  {name:10s} step {r['step_median_s'] * 1e3:8.1f} ms {r['step_ratio']:5.2f}x   update "
-                    f"{r['update_median_s'] * 1e3:8.1f} ms {r['update_ratio']:5.2f}x   state {r['state_bytes'] / 2**20:7.1f} MiB   "
+                    f"{r['update_median_s'] * 1e3:8.1f} ms {r['update_ratio']:5.2f}x   "
+                    f"state {r['state_bytes'] / 2**20:7.1f} MiB   "
                     f"temp {r['step_memory']['temp_bytes'] / 2**20:6.1f} MiB   fusions {r['hlo']['fusions']:4d}   "
                     f"{r['hlo']['bytes_read_per_param'] + r['hlo']['bytes_written_per_param']:5.1f} B/param",
                     flush=True,

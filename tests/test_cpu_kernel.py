@@ -21,8 +21,8 @@ import optax
 import pytest
 
 import optax_gwt
-from optax_gwt.hlo_traffic import entry_instructions
 from optax_gwt import cpu_kernel
+from optax_gwt.hlo_traffic import entry_instructions
 from reference import ReferenceGWTAdamW
 
 pytestmark = pytest.mark.skipif(
@@ -133,7 +133,9 @@ def test_traced_hyperparameters(dtype, x64):
 
 def test_vmap_equals_per_example():
     batch, axis, block = 3, 1, 4
-    gs, mus, nus = zip(*(random_inputs((5, 37, 11), axis, block, np.float32, seed=s) for s in range(batch)))
+    gs, mus, nus = zip(
+        *(random_inputs((5, 37, 11), axis, block, np.float32, seed=s) for s in range(batch)), strict=True
+    )
     g, mu, nu = (jnp.asarray(np.stack(x)) for x in (gs, mus, nus))
 
     def moments(g, mu, nu):
@@ -423,8 +425,9 @@ def test_one_thread_gives_identical_bits():
     # CPU (where XLA's thread pool, which the kernel uses, has one thread) must
     # give the same bits as one with several.
     pinned = "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
-    run = lambda script: (
-        subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
-    )
+
+    def run(script):
+        return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+
     several, one = run(_SQ_SCRIPT), run(pinned + _SQ_SCRIPT)
     assert several.split() and several == one

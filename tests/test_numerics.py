@@ -46,7 +46,10 @@ def _dtypes(tree):
 
 def _rel_err(got, want, start):
     """||got - want|| / ||want - start|| over the whole tree: error relative to the distance moved."""
-    sq = lambda t: sum(float(np.sum(np.square(np.asarray(x, np.float64)))) for x in jax.tree_util.tree_leaves(t))
+
+    def sq(t):
+        return sum(float(np.sum(np.square(np.asarray(x, np.float64)))) for x in jax.tree_util.tree_leaves(t))
+
     diff = jax.tree_util.tree_map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64), got, want)
     moved = jax.tree_util.tree_map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64), want, start)
     return np.sqrt(sq(diff) / sq(moved))
@@ -168,7 +171,10 @@ def test_half_precision_update_is_the_float32_update_rounded(dtype):
     opt = optax_gwt.gwt_adamw(1.0, level=3, wavelet="db2", mode="symmetric", mu_dtype=jnp.float32, nu_dtype=jnp.float32)
     update = jax.jit(opt.update)
     u, _ = update(g, opt.init(params), params)
-    up = lambda t: jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), t)
+
+    def up(t):
+        return jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), t)
+
     want, _ = update(up(g), opt.init(up(params)), up(params))
     for k in u:
         # Only the approximation handed to the base optimizer is rounded to `dtype` (one ulp).
@@ -276,7 +282,9 @@ def test_detail_clip_inactive_on_ordinary_gradients_equals_default():
 
 @pytest.mark.parametrize("wavelet, mode", [("haar", "zero"), ("db2", "symmetric")])
 def test_zero_and_constant_gradients_give_bounded_updates(wavelet, mode):
-    """Constant along the axis: no details, and Adam's normalised step spread over the block: |U| <= scale / sqrt(2^level)."""
+    """Constant along the axis: no details, and Adam's normalised step spread over the block:
+    |U| <= scale / sqrt(2^level).
+    """
     level, scale = 3, 0.25
     n = 40
     col = np.random.default_rng(0).standard_normal(5)
@@ -306,5 +314,5 @@ def test_same_seed_runs_are_bit_identical():
         return _run(opt, params, _grad_seq(6, jnp.float32, seed + 1))
 
     (p1, s1), (p2, s2) = train(3), train(3)
-    for a, b in zip(jax.tree_util.tree_leaves((p1, s1)), jax.tree_util.tree_leaves((p2, s2))):
+    for a, b in zip(jax.tree_util.tree_leaves((p1, s1)), jax.tree_util.tree_leaves((p2, s2)), strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()

@@ -194,7 +194,7 @@ def test_other_bases_against_their_references(name):
     want = reference_gwt_norm_ratio(make_ref(), grads, shapes, wavelet="db2", mode="symmetric")
     params = jax.tree.map(jnp.zeros_like, grads[0])
     state = tx.init(params)
-    for g, w in zip(grads, want):
+    for g, w in zip(grads, want, strict=True):
         u, state = tx.update(jax.tree.map(jnp.asarray, g), state, params)
         chex.assert_trees_all_close(jax.tree.map(np.asarray, u), w, rtol=1e-8, atol=1e-12)
 
