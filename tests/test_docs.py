@@ -255,7 +255,7 @@ def test_performance_block_is_its_json(monkeypatch):
     text = read(PERFORMANCE_PAGE)
     start = "<!-- performance-table:start (written by python -m benchmarks.optimizer_step --readme) -->"
     block = _between(text, start, "<!-- performance-table:end -->")
-    out = re.search(r"^Command: `[^`]*--out (\S+)", block, flags=re.M).group(1)
+    out = re.search(r"^Command: `[^`]*--out ([^\s`]+)", block, flags=re.M).group(1)
     with open(out + ".json") as fh:
         report = json.load(fh)
     sections = dict(re.findall(r"^### (\S+) \([^)]*\)\n\n((?:\|.*\n)+)", block + "\n", flags=re.M))
