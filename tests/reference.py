@@ -74,6 +74,7 @@ class ReferenceGWTAdamW:
         else:
             lam = max(r / (st["r"] + 1e-8), self.gamma) / self.gamma
             st["r"] = r / lam
+        st["lam"] = lam
         n = n / lam
         details = []
         den = denom

@@ -280,6 +280,7 @@ def test_trajectory_float64_equals_reference(level, x64):
         np.testing.assert_allclose(gwt[1].inner_state.mu[k], ref.state[k]["m"], rtol=1e-9, atol=1e-12, err_msg=k)
         np.testing.assert_allclose(gwt[1].inner_state.nu[k], ref.state[k]["v"], rtol=1e-9, atol=1e-12, err_msg=k)
         np.testing.assert_allclose(gwt[2].norm_prev[k], ref.state[k]["r"], rtol=1e-9, err_msg=k)
+        np.testing.assert_allclose(gwt[2].scale[k], ref.state[k]["lam"], rtol=1e-9, err_msg=k)
 
 
 # ---------------------------------------------------------------------------
