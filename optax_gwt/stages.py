@@ -231,8 +231,10 @@ def on_approximation(
         _check_projection(leaves, treedef, projection)
         # A `GWTBase` computes in float32 at least: it gets the approximation unrounded (no
         # half-precision copy of it is written between the block sums and the moments).
-        approx_dtype = (lambda x: x.approx.dtype) if isinstance(inner, GWTBase) else (lambda x: x.spec.dtype)
-        inner_in = treedef.unflatten([x.approx.astype(approx_dtype(x)) if is_coefficients(x) else x for x in leaves])
+        rounded = not isinstance(inner, GWTBase)
+        inner_in = treedef.unflatten(
+            [(x.approx.astype(x.spec.dtype) if rounded else x.approx) if is_coefficients(x) else x for x in leaves]
+        )
         _check_state(inner, inner_in, state.inner_state)
         if isinstance(inner, GWTBase):
             steps, inner_state, sq_norms = inner.update_on_approximation(

@@ -219,24 +219,16 @@ def test_cpu_kernel_path_agrees_with_xla_path_per_step():
         state = new_state
 
 
-def _plain_haar_chain(proj, dtype):
-    """The chain whose inverse takes the plain path (`inverse_leaf` on the base's step): the
-    reference Adam's preconditioner passed as another function, so the fused Haar update
-    (`haar.adam_update`, which rebuilds the step from the moments) does not apply."""
+def _haar_chain(proj, dtype, fused: bool):
+    """GWT's four stages with the reference Adam. With ``fused=False`` the reference Adam's
+    preconditioner is passed as another function, so the fused Haar update
+    (`haar.adam_update`, which rebuilds the step from the moments) does not apply and the
+    inverse takes the plain path (`inverse_leaf` on the base's step)."""
     base = optax_gwt.scale_by_reference_adam(eps=1e-6, mu_dtype=dtype, nu_dtype=dtype)
+    preconditioner = None if fused else (lambda s: base.preconditioner(s))
     return optax.chain(
         optax_gwt.wavelet_project(proj),
-        optax_gwt.on_approximation(base, proj, preconditioner=lambda s: base.preconditioner(s)),
-        optax_gwt.limit_norm_growth(1.01),
-        optax_gwt.wavelet_inverse(),
-    )
-
-
-def _fused_haar_chain(proj, dtype):
-    base = optax_gwt.scale_by_reference_adam(eps=1e-6, mu_dtype=dtype, nu_dtype=dtype)
-    return optax.chain(
-        optax_gwt.wavelet_project(proj),
-        optax_gwt.on_approximation(base, proj),
+        optax_gwt.on_approximation(base, proj, preconditioner=preconditioner),
         optax_gwt.limit_norm_growth(1.01),
         optax_gwt.wavelet_inverse(),
     )
@@ -255,7 +247,7 @@ def test_fused_haar_update_agrees_with_plain_inverse(param_dtype, moment_dtype, 
     proj = optax_gwt.WaveletProjection(level=level, axis=axis)
     shapes = {"w": (37, 19), "v": (32, 24)}
     params = {k: jnp.ones(s, param_dtype) for k, s in shapes.items()}
-    fused, plain = _fused_haar_chain(proj, moment_dtype), _plain_haar_chain(proj, moment_dtype)
+    fused, plain = (_haar_chain(proj, moment_dtype, fused=f) for f in (True, False))
     state = fused.init(params)
     for g in grads_seq(shapes, 4, dtype=np.float32):
         g = jax.tree.map(lambda x: jnp.asarray(x, param_dtype), g)
