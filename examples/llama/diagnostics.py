@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import optax_gwt
+from optax_gwt import haar
 from optax_gwt.adam_mini import path_names
 
 __all__ = [
@@ -94,14 +95,12 @@ def lowpass(u: jax.Array, axis: int = 0, level: int = 2) -> jax.Array:
 
     Blocks are ``B = 2**level`` consecutive entries; a short last block is
     zero-padded, so its mean is its sum / B (Haar's mode ``"zero"``). For
-    Haar at `level`, this is the reconstruction from the approximation alone.
+    Haar at `level`, this is the reconstruction from the approximation alone
+    (`optax_gwt.haar`'s block sums and repeats).
     """
-    block, x = 2**level, jnp.moveaxis(u, axis, 0)
-    n = x.shape[0]
-    blocks = -(-n // block)
-    x = jnp.pad(x, [(0, blocks * block - n)] + [(0, 0)] * (x.ndim - 1))
-    means = x.reshape(blocks, block, *x.shape[1:]).mean(axis=1)
-    return jnp.moveaxis(jnp.repeat(means, block, axis=0)[:n], 0, axis)
+    block, axis = 2**level, axis % u.ndim
+    means = haar.block_sums(u, axis, block) / block
+    return haar.repeat_blocks(means, axis, block, u.shape[axis])
 
 
 def highfreq_shares(updates: Any, axis: int | Mapping[str, int] = 0, level: int = 2) -> dict[str, jax.Array]:
