@@ -37,6 +37,7 @@ __all__ = [
     "get_tokenizer",
     "list_files",
     "make_data",
+    "span_windows",
     "split_files",
 ]
 
@@ -234,6 +235,26 @@ class StreamLoader:
         self._it = None
 
 
+def span_windows(tokens: np.ndarray, seq_len: int, count: int, span: int) -> np.ndarray:
+    """`count` windows of ``seq_len + 1`` tokens cut from evenly spaced spans of ``span + 1`` tokens.
+
+    The ``count * seq_len // span`` spans start where `evenly_spaced_windows` would start
+    windows of length `span`; each is cut into ``span // seq_len`` consecutive windows
+    (neighbours share one token, as in training). So every `seq_len` that divides `span`
+    predicts the same tokens of the same text, ``count * seq_len`` of them, and only the
+    context before each one changes: the validation set of a sequence-length study.
+    Returns (count, seq_len + 1), the windows of a span in order, spans in order.
+    """
+    if span % seq_len or (count * seq_len) % span:
+        raise ValueError(
+            f"val span {span} must be a multiple of seq_len {seq_len} and divide the {count * seq_len} "
+            "validation tokens (eval_batches * batch_size * seq_len)"
+        )
+    spans = evenly_spaced_windows(tokens, span, count * seq_len // span)
+    cuts = [spans[:, j * seq_len : (j + 1) * seq_len + 1] for j in range(span // seq_len)]
+    return np.stack(cuts, axis=1).reshape(count, seq_len + 1)
+
+
 def evenly_spaced_windows(tokens: np.ndarray, seq_len: int, count: int) -> np.ndarray:
     """`count` windows of ``seq_len + 1`` tokens spread evenly over `tokens`: (count, seq_len + 1)."""
     last = len(tokens) - seq_len - 1
@@ -259,6 +280,10 @@ class DataSpec:
       seed: the order of training windows/documents.
       val_fraction: files whose path hash falls below it are validation.
       eval_batches: validation batches of (batch_size, seq_len + 1), fixed for the run.
+      val_span: 0: the validation windows are ``eval_batches * batch_size`` windows spread
+        evenly over the validation text (their text changes with seq_len); N > 0: they are
+        cut from evenly spaced spans of N tokens (`span_windows`), the same text and the same
+        predicted tokens at every seq_len that divides N (at a fixed batch_size * seq_len).
       hf_path, hf_name, hf_data_files: the dataset for ``source="c4"``.
     """
 
@@ -269,6 +294,7 @@ class DataSpec:
     seed: int = 0
     val_fraction: float = 0.05
     eval_batches: int = 8
+    val_span: int = 0
     hf_path: str = "allenai/c4"
     hf_name: str | None = "en"
     hf_data_files: dict | None = None
@@ -288,7 +314,7 @@ def make_data(spec: DataSpec):
         val_tokens = _take_tokens(
             hf_documents(spec.hf_path, spec.hf_name, "validation", spec.hf_data_files)(0),
             tokenizer,
-            n_val_windows * (spec.seq_len + 1),
+            n_val_windows * (spec.seq_len + 1) if not spec.val_span else n_val_windows * spec.seq_len + 1,
         )
     else:
         root, files = list_files(spec.source)
@@ -301,7 +327,10 @@ def make_data(spec: DataSpec):
             cut = int(len(tokens) * (1 - spec.val_fraction))
             train_tokens, val_tokens = tokens[:cut], tokens[cut:]
         train = WindowLoader(train_tokens, spec.batch_size, spec.seq_len, spec.seed)
-    val = evenly_spaced_windows(val_tokens, spec.seq_len, n_val_windows)
+    if spec.val_span:
+        val = span_windows(val_tokens, spec.seq_len, n_val_windows, spec.val_span)
+    else:
+        val = evenly_spaced_windows(val_tokens, spec.seq_len, n_val_windows)
     return tokenizer, train, val.reshape(spec.eval_batches, spec.batch_size, spec.seq_len + 1)
 
 

@@ -143,6 +143,14 @@ def _add_model_and_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (must divide --batch-size)")
     g.add_argument("--val-fraction", type=float, default=0.05, help="share of files held out for validation")
     g.add_argument("--eval-batches", type=int, default=8, help="validation batches of --batch-size sequences")
+    g.add_argument(
+        "--val-span",
+        type=int,
+        default=0,
+        help="0: validation windows spread evenly over the validation text (the text changes with --seq-len); "
+        "N: windows cut from evenly spaced spans of N tokens, the same predicted tokens of the same text at "
+        "every --seq-len dividing N, at a fixed --batch-size x --seq-len (examples.llama.data.span_windows)",
+    )
 
 
 def _add_optimizer_args(p: argparse.ArgumentParser) -> None:
@@ -311,6 +319,7 @@ def _data_spec(args: argparse.Namespace) -> data_lib.DataSpec:
         seed=args.seed,
         val_fraction=args.val_fraction,
         eval_batches=args.eval_batches,
+        val_span=getattr(args, "val_span", 0),
         hf_path=args.hf_path,
         hf_name=args.hf_name,
     )

@@ -1,0 +1,157 @@
+"""Issue 23: each optimizer's validation loss relative to AdamW-modular's, per sequence length.
+
+    python results/seqlen/ratios.py    # reads results/seqlen/seqlen2.jsonl -> ratios.md, ratios.json, ratios.png
+
+Two questions, from the runs of examples/llama/studies/seqlen2.toml and seqlen2-fixed.toml:
+
+* fixed: every optimizer at the setting that is best at 128 tokens (by its three-seed mean there),
+  used unchanged at every length (the paper's claim: "the same training settings");
+* retuned: every optimizer at its best setting of each length (lr, and GaLore's gap, tuned on
+  seed 0, the best rerun on seeds 1 and 2; the three-seed mean ranks, as examples.llama.sweep does).
+
+A ratio is mean loss (three seeds) / AdamW-modular's mean loss of the same question and length;
+"± " is the sample std over seeds of the per-seed ratio (seed s against AdamW-modular's seed s:
+same initialisation and data order). "Stable" means the ratio does not grow with the length.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+from examples.llama import sweep  # noqa: E402
+
+HERE = os.path.join(REPO, "results", "seqlen")
+SEEDS = (0, 1, 2)
+REFERENCE = "adamw-modular"
+
+
+def _setting(flags: dict) -> str:
+    """A run's setting across lengths: its flags but the seed and the batch shape."""
+    return json.dumps({k: v for k, v in flags.items() if k not in ("seed", "seq_len", "batch_size")}, sort_keys=True)
+
+
+def collect(records: list[dict]) -> dict:
+    """``{name: {setting: {seq_len: {seed: loss}}}}`` (the last record of each run)."""
+    out: dict = {}
+    for r in {r["key"]: r for r in records if "error" not in r}.values():
+        f = r["flags"]
+        loss = r["final_val_loss"] if r["final_val_loss"] is not None else math.inf
+        out.setdefault(r["name"], {}).setdefault(_setting(f), {}).setdefault(f["seq_len"], {})[f["seed"]] = loss
+    return out
+
+
+def _complete(per_len: dict, L: int) -> bool:
+    return all(s in per_len.get(L, {}) for s in SEEDS)
+
+
+def choose(runs: dict, lengths: list[int]) -> dict:
+    """``{question: {name: {seq_len: setting}}}``: fixed (best at the shortest length) and retuned."""
+    out: dict = {"fixed": {}, "retuned": {}}
+    for name, settings in runs.items():
+        for L in lengths:
+            done = {s: np.mean([v[L][x] for x in SEEDS]) for s, v in settings.items() if _complete(v, L)}
+            if done:
+                out["retuned"].setdefault(name, {})[L] = min(done, key=lambda s: (done[s], s))
+        base = out["retuned"].get(name, {}).get(lengths[0])
+        if base is not None:
+            out["fixed"][name] = {L: base for L in lengths if _complete(settings[base], L)}
+    return out
+
+
+def table(runs: dict, chosen: dict, lengths: list[int]) -> dict:
+    """``{question: {name: {seq_len: {"mean", "std", "ratio", "ratio_std", "setting"}}}}``."""
+    out: dict = {}
+    for question, names in chosen.items():
+        ref = names.get(REFERENCE, {})
+        for name, per_len in names.items():
+            for L, setting in per_len.items():
+                losses = np.array([runs[name][setting][L][s] for s in SEEDS])
+                cell = {"mean": float(losses.mean()), "std": float(losses.std(ddof=1)), "setting": json.loads(setting)}
+                if L in ref:
+                    ref_losses = np.array([runs[REFERENCE][ref[L]][L][s] for s in SEEDS])
+                    cell["ratio"] = float(losses.mean() / ref_losses.mean())
+                    cell["ratio_std"] = float((losses / ref_losses).std(ddof=1))
+                out.setdefault(question, {}).setdefault(name, {})[L] = cell
+    return out
+
+
+def _short(setting: dict) -> str:
+    parts = [f"lr {setting['lr']:g}"]
+    if "galore_gap" in setting:
+        parts.append(f"gap {setting['galore_gap']}")
+    return ", ".join(parts)
+
+
+def markdown(tab: dict, lengths: list[int]) -> str:
+    lines = []
+    for question, title in (("fixed", "Fixed settings (each optimizer's best at 128, unchanged)"),
+                            ("retuned", "Retuned per length")):  # fmt: skip
+        names = tab.get(question, {})
+        if not names:
+            continue
+        lines += [f"**{title}**: mean validation loss of 3 seeds, and its ratio to AdamW-modular's", "",
+                  "| optimizer | " + " | ".join(f"{L} tokens" for L in lengths) + " |",
+                  "|---|" + "---|" * len(lengths)]  # fmt: skip
+        for name in sorted(names, key=lambda n: (n != REFERENCE, n)):
+            cells = []
+            for L in lengths:
+                c = names[name].get(L)
+                if c is None:
+                    cells.append("")
+                    continue
+                ratio = "" if "ratio" not in c else f" = **{c['ratio']:.4f}** ± {c['ratio_std']:.4f}"
+                cells.append(f"{c['mean']:.4f}{ratio} ({_short(c['setting'])})")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(tab: dict, lengths: list[int], path: str) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 4))
+    axes = fig.subplots(1, 2, sharey=True)
+    for ax, question in zip(axes, ("fixed", "retuned"), strict=True):
+        for name, per_len in sorted(tab.get(question, {}).items()):
+            Ls = [L for L in lengths if L in per_len and "ratio" in per_len[L]]
+            if Ls:
+                ax.errorbar(Ls, [per_len[L]["ratio"] for L in Ls], yerr=[per_len[L]["ratio_std"] for L in Ls],
+                            marker="o", capsize=3, label=name)  # fmt: skip
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [str(L) for L in lengths])
+        ax.set_xlabel("tokens a sequence (2048 tokens a step)")
+        ax.set_title(f"{question} settings")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("val loss / AdamW-modular's (3 seeds)")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(jsonl: str = os.path.join(HERE, "seqlen2.jsonl"), out_dir: str = HERE) -> dict:
+    records = sweep.load_records(jsonl)
+    runs = collect(records)
+    lengths = sorted({r["flags"]["seq_len"] for r in records})
+    tab = table(runs, choose(runs, lengths), lengths)
+    text = markdown(tab, lengths)
+    with open(os.path.join(out_dir, "ratios.md"), "w") as fh:
+        fh.write(text)
+    with open(os.path.join(out_dir, "ratios.json"), "w") as fh:
+        json.dump({q: {n: {str(L): c for L, c in v.items()} for n, v in names.items()} for q, names in tab.items()},
+                  fh, indent=1)  # fmt: skip
+    plot(tab, lengths, os.path.join(out_dir, "ratios.png"))
+    print(text)
+    return tab
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,93 @@
+"""Issue 23's sequence-length setup: the validation set is the same text at every length, and RoPE is relative."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from examples.llama import data, train
+from optax_gwt.models import llama as model
+
+
+def _bigram_nll(windows: np.ndarray, table: np.ndarray) -> float:
+    """Mean -log p(target | previous token) of (count, seq_len + 1) windows: a model with one token of context."""
+    return float(-np.log(table[windows[:, :-1], windows[:, 1:]]).mean())
+
+
+def test_span_windows_are_direct_slices_of_evenly_spaced_spans():
+    tokens = np.arange(10_000) % 251
+    count, seq_len, span = 12, 16, 64  # 12 x 16 = 192 predicted tokens = 3 spans of 64
+    got = data.span_windows(tokens, seq_len, count, span)
+    starts = np.linspace(0, len(tokens) - span - 1, num=3).astype(np.int64)  # evenly_spaced_windows' starts
+    want = [tokens[s + j * seq_len : s + (j + 1) * seq_len + 1] for s in starts for j in range(span // seq_len)]
+    np.testing.assert_array_equal(got, np.stack(want))
+    assert got.shape == (count, seq_len + 1)
+
+
+@pytest.mark.parametrize("seq_len", [8, 16, 32, 64])
+def test_span_windows_predict_the_same_tokens_at_every_length(seq_len):
+    """(position in the text, token) of every prediction: one set for all lengths at a fixed token count."""
+    tokens = np.random.default_rng(0).integers(0, 256, size=5_000)
+    positions = np.arange(len(tokens))
+    n_predicted, span = 256, 64
+
+    def targets(length):
+        pos = data.span_windows(positions, length, n_predicted // length, span)
+        tok = data.span_windows(tokens, length, n_predicted // length, span)
+        np.testing.assert_array_equal(tok, tokens[pos])  # the windows are the text at those positions
+        return sorted(pos[:, 1:].ravel().tolist())
+
+    assert targets(seq_len) == targets(span)
+    assert len(set(targets(seq_len))) == n_predicted  # no token predicted twice
+
+
+def test_span_windows_refuse_lengths_that_do_not_divide_the_span():
+    with pytest.raises(ValueError, match="multiple of seq_len"):
+        data.span_windows(np.arange(1000), 24, 8, 64)
+    with pytest.raises(ValueError, match="divide"):
+        data.span_windows(np.arange(1000), 16, 6, 64)  # 96 tokens: not whole spans of 64
+
+
+def test_make_data_val_span_gives_one_validation_text_and_the_old_default_does_not():
+    """On the stdlib corpus at 2048 tokens a batch: a bigram model's loss on the validation set is
+    the same at 128 and 1024 tokens with --val-span 1024 (the same targets and previous tokens,
+    except the first token of each window), while the default windows are other text per length."""
+    specs = {(L, s): data.DataSpec(seq_len=L, batch_size=2048 // L, eval_batches=8, val_span=s)
+             for L in (128, 1024) for s in (0, 1024)}  # fmt: skip
+    vals = {k: data.make_data(spec)[2] for k, spec in specs.items()}
+    for (L, _), v in vals.items():
+        assert v.shape == (8, 2048 // L, L + 1)
+    flat = {k: v.reshape(-1, k[0] + 1) for k, v in vals.items()}
+    # the same predicted tokens, in the same text order
+    np.testing.assert_array_equal(flat[128, 1024][:, 1:].ravel(), flat[1024, 1024][:, 1:].ravel())
+    rng = np.random.default_rng(0)
+    table = rng.dirichlet(np.ones(258), size=258)  # a fixed bigram model
+    same = [_bigram_nll(flat[L, 1024], table) for L in (128, 1024)]
+    assert same[0] == pytest.approx(same[1], abs=1e-12)
+    old = [_bigram_nll(flat[L, 0], table) for L in (128, 1024)]
+    assert abs(old[0] - old[1]) > 1e-3  # the default's windows are other text at each length
+
+
+def test_train_cli_passes_val_span_to_the_data():
+    args = train.parse_args(["--seq-len", "64", "--batch-size", "4", "--val-span", "256"])
+    assert train._data_spec(args).val_span == 256
+    assert train._data_spec(train.parse_args([])).val_span == 0
+
+
+def test_rotary_attention_scores_depend_only_on_the_position_difference():
+    """q(i) . k(j) after RoPE equals q(i + s) . k(j + s): positions are relative, at every offset used up to 1024."""
+    cfg = model.get_config("9m", vocab_size=258)
+    q = jax.random.normal(jax.random.key(0), (1, 1, 1, cfg.head_dim))
+    k = jax.random.normal(jax.random.key(1), (1, 1, 1, cfg.head_dim))
+
+    def score(i, j):
+        rq = model.rotary_embedding(q, jnp.array([i]), cfg.rope_theta)
+        rk = model.rotary_embedding(k, jnp.array([j]), cfg.rope_theta)
+        return float(jnp.sum(rq * rk))
+
+    for i, j in [(5, 2), (100, 37), (700, 1)]:
+        for shift in (0, 64, 300, 1023 - i):
+            assert score(i + shift, j + shift) == pytest.approx(score(i, j), rel=2e-4, abs=2e-4)
+    assert cfg.max_seq_len >= 1024
