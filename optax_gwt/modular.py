@@ -172,6 +172,8 @@ def make_optimizer(
     weight_decay: float = 0.0,
     galore_rank: int | None = None,
     galore_gap: int = 200,
+    norm_growth_limit: float | None = 1.01,
+    gwt_axis: int = 0,
 ) -> optax.GradientTransformation:
     """The named optimizer for `params` (only their shapes and paths are used).
 
@@ -199,6 +201,11 @@ def make_optimizer(
       galore_rank: GaLore's rank; None picks the largest rank whose state is no
         bigger than GWT's at `level` (`galore_rank_matching`).
       galore_gap: steps between GaLore's SVD projector updates.
+      norm_growth_limit: GWT's limiter gamma (`optax_gwt.limit_norm_growth`: the
+        step's norm grows at most this factor per step); None: no limiter. The
+        reference is 1.01.
+      gwt_axis: the axis of each matrix GWT transforms: 0 (the reference: the
+        ``(in, out)`` kernel's input axis) or 1 (its output axis).
     """
     if name not in DEFAULT_LR:
         raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
@@ -227,6 +234,8 @@ def make_optimizer(
             scale=alpha,
             detail_rule=detail_rule,
             bias_correct_details=name == "gwt",
+            norm_growth_limit=norm_growth_limit,
+            axis=gwt_axis,
         )
     elif name == "galore":
         rank = galore_rank or galore_rank_matching(params, level)

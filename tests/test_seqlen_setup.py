@@ -91,3 +91,39 @@ def test_rotary_attention_scores_depend_only_on_the_position_difference():
         for shift in (0, 64, 300, 1023 - i):
             assert score(i + shift, j + shift) == pytest.approx(score(i, j), rel=2e-4, abs=2e-4)
     assert cfg.max_seq_len >= 1024
+
+
+@pytest.mark.parametrize(("gamma", "axis"), [(None, 0), (1.1, 0), (1.01, 1)])
+def test_make_optimizer_passes_the_limiter_gamma_and_the_axis_to_gwt_adamw(gamma, axis):
+    """The remedies' options: make_optimizer("gwt", ...) equals gwt_adamw built with them, step for step."""
+    import optax
+
+    import optax_gwt
+    from optax_gwt import modular
+
+    params = {"attn": {"kernel": jnp.ones((16, 8))}, "mlp": {"kernel": jnp.ones((8, 24))}, "norm": jnp.ones(8)}
+    tx = modular.make_optimizer("gwt", params, lr=1e-2, steps=10, alpha=0.125, norm_growth_limit=gamma, gwt_axis=axis)
+    sched = modular.make_schedule(1e-2, 10)
+    ref = optax.multi_transform(
+        {"matrix": optax_gwt.gwt_adamw(sched, level=2, scale=0.125, norm_growth_limit=gamma, axis=axis),
+         "other": optax.adamw(sched, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.0)},
+        modular.param_labels,
+    )  # fmt: skip
+    s1, s2 = tx.init(params), ref.init(params)
+    for i in range(4):
+        grads = jax.tree.map(lambda x, i=i: jax.random.normal(jax.random.key(i), x.shape) * (1 + 3 * i), params)
+        u1, s1 = tx.update(grads, s1, params)
+        u2, s2 = ref.update(grads, s2, params)
+        for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    mu = s1.inner_states["matrix"].inner_state[0][1].inner_state.mu
+    assert mu["attn"]["kernel"].shape == ((4, 8) if axis == 0 else (16, 2))
+
+
+def test_train_cli_limiter_zero_means_none_and_axis_is_passed(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(train.modular, "make_optimizer", lambda name, params, **kw: seen.update(kw))
+    train.make_optimizer(train.parse_args(["--norm-growth-limit", "0", "--gwt-axis", "1"]), {})
+    assert seen["norm_growth_limit"] is None and seen["gwt_axis"] == 1
+    train.make_optimizer(train.parse_args([]), {})
+    assert seen["norm_growth_limit"] == 1.01 and seen["gwt_axis"] == 0

@@ -175,6 +175,15 @@ def _add_optimizer_args(p: argparse.ArgumentParser) -> None:
         "--galore-rank", type=int, default=None, help="None: the largest rank whose state <= GWT's at --level"
     )
     g.add_argument("--galore-gap", type=int, default=200, help="GaLore projector update interval")
+    g.add_argument(
+        "--norm-growth-limit",
+        type=float,
+        default=1.01,
+        help="GWT-AdamW's limiter gamma: the step's norm grows at most this factor a step (0: no limiter)",
+    )
+    g.add_argument(
+        "--gwt-axis", type=int, default=0, choices=(0, 1), help="GWT-AdamW's transform axis of each (in, out) kernel"
+    )
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -287,6 +296,8 @@ def make_optimizer(args: argparse.Namespace, params: Any) -> optax.GradientTrans
         weight_decay=args.weight_decay,
         galore_rank=args.galore_rank,
         galore_gap=args.galore_gap,
+        norm_growth_limit=getattr(args, "norm_growth_limit", 1.01) or None,
+        gwt_axis=getattr(args, "gwt_axis", 0),
     )
 
 
