@@ -127,3 +127,26 @@ def test_train_cli_limiter_zero_means_none_and_axis_is_passed(monkeypatch):
     assert seen["norm_growth_limit"] is None and seen["gwt_axis"] == 1
     train.make_optimizer(train.parse_args([]), {})
     assert seen["norm_growth_limit"] == 1.01 and seen["gwt_axis"] == 0
+
+
+def test_contiguous_windows_are_the_long_windows_text_cut_short():
+    """contiguous=k at (batch, L) yields exactly the tokens of the (batch / k, k L) loader, cut into k windows."""
+    tokens = np.arange(50_000) % 65_521
+    long = data.WindowLoader(tokens, batch_size=2, seq_len=64, seed=5)
+    short = data.WindowLoader(tokens, batch_size=16, seq_len=8, seed=5, contiguous=8)
+    for _ in range(200):  # crosses an epoch (48 batches)
+        a, b = next(long), next(short)
+        assert b.shape == (16, 9)
+        for r in range(2):
+            for j in range(8):
+                np.testing.assert_array_equal(b[r * 8 + j], a[r, j * 8 : j * 8 + 9])
+    with pytest.raises(ValueError, match="divide"):
+        data.WindowLoader(tokens, batch_size=6, seq_len=8, contiguous=4)
+    plain = data.WindowLoader(tokens, batch_size=4, seq_len=8, seed=1)
+    same = data.WindowLoader(tokens, batch_size=4, seq_len=8, seed=1, contiguous=1)
+    np.testing.assert_array_equal(next(plain), next(same))
+
+
+def test_train_cli_passes_contiguous_windows_to_the_data():
+    args = train.parse_args(["--seq-len", "64", "--batch-size", "16", "--contiguous-windows", "8"])
+    assert train._data_spec(args).contiguous == 8

@@ -160,17 +160,26 @@ class WindowLoader:
     tokens (consecutive windows share one token); each epoch visits them in a
     permutation seeded by ``(seed, epoch)``, ``batch_size`` at a time (the
     remainder is dropped). The state is the number of batches yielded.
+
+    ``contiguous = k > 1``: each draw is ``k`` consecutive windows (one window of
+    ``k * seq_len`` cut in ``k``), ``batch_size / k`` draws a batch. Then a batch
+    is exactly the text of the batch of ``batch_size / k`` windows of
+    ``k * seq_len`` (same seed), with a ``k`` times shorter context: the
+    control that separates the context's length from the number of independent
+    places of the text a step samples.
     """
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int = 0):
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int = 0, contiguous: int = 1):
+        if batch_size % contiguous:
+            raise ValueError(f"contiguous {contiguous} must divide batch_size {batch_size}")
         self.tokens = np.asarray(tokens)
-        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
-        self.num_windows = (len(self.tokens) - 1) // seq_len
-        self.batches_per_epoch = self.num_windows // batch_size
+        self.batch_size, self.seq_len, self.seed, self.contiguous = batch_size, seq_len, seed, contiguous
+        self.num_windows = (len(self.tokens) - 1) // (seq_len * contiguous)  # draws of `contiguous` windows
+        self.batches_per_epoch = self.num_windows // (batch_size // contiguous)
         if self.batches_per_epoch == 0:
             raise ValueError(
-                f"{len(self.tokens)} tokens make {self.num_windows} windows of {seq_len + 1}: "
-                f"fewer than one batch of {batch_size}"
+                f"{len(self.tokens)} tokens make {self.num_windows} windows of {seq_len * contiguous + 1}: "
+                f"fewer than one batch of {batch_size // contiguous}"
             )
         self.position = 0
         self._perm_epoch, self._perm = -1, None
@@ -183,7 +192,10 @@ class WindowLoader:
         if epoch != self._perm_epoch:
             self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
             self._perm_epoch = epoch
-        starts = self._perm[i * self.batch_size : (i + 1) * self.batch_size] * self.seq_len
+        draws = self.batch_size // self.contiguous
+        span = self.seq_len * self.contiguous
+        starts = [s * span + j * self.seq_len for s in self._perm[i * draws : (i + 1) * draws]
+                  for j in range(self.contiguous)]  # fmt: skip
         self.position += 1
         return np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int32)
 
@@ -284,6 +296,8 @@ class DataSpec:
         evenly over the validation text (their text changes with seq_len); N > 0: they are
         cut from evenly spaced spans of N tokens (`span_windows`), the same text and the same
         predicted tokens at every seq_len that divides N (at a fixed batch_size * seq_len).
+      contiguous: training windows drawn k consecutive at a time (`WindowLoader`; in-memory
+        corpora only).
       hf_path, hf_name, hf_data_files: the dataset for ``source="c4"``.
     """
 
@@ -295,6 +309,7 @@ class DataSpec:
     val_fraction: float = 0.05
     eval_batches: int = 8
     val_span: int = 0
+    contiguous: int = 1
     hf_path: str = "allenai/c4"
     hf_name: str | None = "en"
     hf_data_files: dict | None = None
@@ -305,6 +320,8 @@ def make_data(spec: DataSpec):
     tokenizer = get_tokenizer(spec.tokenizer)
     n_val_windows = spec.eval_batches * spec.batch_size
     if spec.source == "c4":
+        if spec.contiguous != 1:
+            raise ValueError("contiguous windows are for in-memory corpora (C4 is packed in order already)")
         train = StreamLoader(
             hf_documents(spec.hf_path, spec.hf_name, "train", spec.hf_data_files, seed=42 + spec.seed),
             tokenizer,
@@ -326,7 +343,7 @@ def make_data(spec: DataSpec):
             tokens = _concat(tokenizer, files)
             cut = int(len(tokens) * (1 - spec.val_fraction))
             train_tokens, val_tokens = tokens[:cut], tokens[cut:]
-        train = WindowLoader(train_tokens, spec.batch_size, spec.seq_len, spec.seed)
+        train = WindowLoader(train_tokens, spec.batch_size, spec.seq_len, spec.seed, spec.contiguous)
     if spec.val_span:
         val = span_windows(val_tokens, spec.seq_len, n_val_windows, spec.val_span)
     else:

@@ -144,6 +144,13 @@ def _add_model_and_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--val-fraction", type=float, default=0.05, help="share of files held out for validation")
     g.add_argument("--eval-batches", type=int, default=8, help="validation batches of --batch-size sequences")
     g.add_argument(
+        "--contiguous-windows",
+        type=int,
+        default=1,
+        help="draw training windows K consecutive at a time (K must divide --batch-size): a batch is then the "
+        "text of --batch-size/K windows of K x --seq-len tokens, with the shorter context (a control)",
+    )
+    g.add_argument(
         "--val-span",
         type=int,
         default=0,
@@ -331,6 +338,7 @@ def _data_spec(args: argparse.Namespace) -> data_lib.DataSpec:
         val_fraction=args.val_fraction,
         eval_batches=args.eval_batches,
         val_span=getattr(args, "val_span", 0),
+        contiguous=getattr(args, "contiguous_windows", 1),
         hf_path=args.hf_path,
         hf_name=args.hf_name,
     )
