@@ -43,7 +43,8 @@ def data_table() -> list[str]:
 def positions_table() -> list[str]:
     rows = _load("setup_positions.json")["rows"]
     lines = [
-        "| trained at (best lr, seed 0) | evaluated on windows of | loss | positions 0-15 | 16-127 | 128-511 (or to the end) | 512-1023 |",
+        "| trained at (best lr, seed 0) | evaluated on windows of | loss | positions 0-15 | 16-127 "
+        "| 128-511 (or to the end) | 512-1023 |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -70,7 +71,7 @@ def noise_table() -> list[str]:
 
 
 def control_table() -> list[str]:
-    """AdamW-modular, seed 0: 128 x 16 from independent places, 128 x 16 cut from the 2 x 1024 (4 x 512) text, and L x (2048/L)."""
+    """AdamW-modular, seed 0: 16 x 128 from 16 places, 16 x 128 cut from the 2 x 1024 (4 x 512) text, and those."""
     main = [r for r in _load("seqlen2.jsonl") if r["name"] == "adamw-modular" and r["flags"]["seed"] == 0]
     control = _load("control.jsonl")
     lrs = sorted({r["flags"]["lr"] for r in control})
