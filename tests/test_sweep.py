@@ -114,7 +114,9 @@ def test_report_best_setting_spread_and_edge_flag(tmp_path):
     assert "| adamw | 2.5000 ± 0.0200 (3) | 2.0000 ± 0.0000 (3) |" in text
 
 
-@pytest.mark.parametrize("name", ["default", "seqlen", "levels", "bases", "variants", "smoke"])
+@pytest.mark.parametrize(
+    "name", ["default", "seqlen", "levels", "bases", "variants", "smoke", "seqlen2", "seqlen2-fixed", "seqlen2-control"]
+)
 def test_study_configs_expand(name):
     config = sweep.load_config(os.path.join(os.path.dirname(SMOKE), f"{name}.toml"))
     runs = sweep.expand(config)

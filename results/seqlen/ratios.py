@@ -137,12 +137,17 @@ def plot(tab: dict, lengths: list[int], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(jsonl: str = os.path.join(HERE, "seqlen2.jsonl"), out_dir: str = HERE) -> dict:
+def render(jsonl: str = os.path.join(HERE, "seqlen2.jsonl")) -> tuple[dict, list[int], str]:
+    """(the ratio table, the lengths, ratios.md's text) from the study's JSONL."""
     records = sweep.load_records(jsonl)
     runs = collect(records)
     lengths = sorted({r["flags"]["seq_len"] for r in records})
     tab = table(runs, choose(runs, lengths), lengths)
-    text = markdown(tab, lengths)
+    return tab, lengths, markdown(tab, lengths)
+
+
+def main(jsonl: str = os.path.join(HERE, "seqlen2.jsonl"), out_dir: str = HERE) -> dict:
+    tab, lengths, text = render(jsonl)
     with open(os.path.join(out_dir, "ratios.md"), "w") as fh:
         fh.write(text)
     with open(os.path.join(out_dir, "ratios.json"), "w") as fh:

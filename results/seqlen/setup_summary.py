@@ -101,7 +101,8 @@ def control_table() -> list[str]:
     return lines
 
 
-def main() -> str:
+def render() -> str:
+    """setup.md's text from the results files."""
     parts = [
         "A bigram model counted on the training split (it sees one token of context, so only the text "
         "changes its loss), nats per predicted token:",
@@ -121,7 +122,11 @@ def main() -> str:
         "",
         *control_table(),
     ]
-    text = "\n".join(parts) + "\n"
+    return "\n".join(parts) + "\n"
+
+
+def main() -> str:
+    text = render()
     with open(os.path.join(HERE, "setup.md"), "w") as fh:
         fh.write(text)
     print(text)
