@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,3 +152,44 @@ def test_contiguous_windows_are_the_long_windows_text_cut_short():
 def test_train_cli_passes_contiguous_windows_to_the_data():
     args = train.parse_args(["--seq-len", "64", "--batch-size", "16", "--contiguous-windows", "8"])
     assert train._data_spec(args).contiguous == 8
+
+
+# ---------------------------------------------------------------------------
+# The study page's sequence-length blocks are their results files.
+# ---------------------------------------------------------------------------
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _results_module(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "results", "seqlen", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _block(marker: str) -> str:
+    with open(os.path.join(REPO, "docs", "study.md")) as fh:
+        text = fh.read()
+    start = text.index(f"<!-- {marker}:start")
+    body = text[text.index("\n", start) + 1 : text.index(f"<!-- {marker}:end -->")]
+    return body
+
+
+def test_setup_tables_are_the_committed_results():
+    """results/seqlen/setup.md regenerates from its JSON/JSONL files, and docs/study.md carries it."""
+    text = _results_module("setup_summary").render()
+    with open(os.path.join(REPO, "results", "seqlen", "setup.md")) as fh:
+        assert fh.read() == text
+    assert _block("seqlen-setup") == text
+
+
+def test_ratio_table_is_the_committed_results():
+    """results/seqlen/ratios.md regenerates from seqlen2.jsonl, and docs/study.md carries it."""
+    _, lengths, text = _results_module("ratios").render()
+    assert lengths == [128, 256, 512, 1024]
+    with open(os.path.join(REPO, "results", "seqlen", "ratios.md")) as fh:
+        assert fh.read() == text
+    assert _block("seqlen-ratios") == text

@@ -6,8 +6,10 @@ Two questions, from the runs of examples/llama/studies/seqlen2.toml and seqlen2-
 
 * fixed: every optimizer at the setting that is best at 128 tokens (by its three-seed mean there),
   used unchanged at every length (the paper's claim: "the same training settings");
-* retuned: every optimizer at its best setting of each length (lr, and GaLore's gap, tuned on
-  seed 0, the best rerun on seeds 1 and 2; the three-seed mean ranks, as examples.llama.sweep does).
+* retuned: every optimizer at its best setting of each length (lr tuned on seed 0, the best rerun
+  on seeds 1 and 2; among the settings run on three seeds the lowest mean wins, as
+  examples.llama.sweep ranks). GWT-2's lr 2e-2 also has three seeds at 128, 512 and 1024, from
+  seqlen2-remedies.toml (its reference runs: the same training, with --diagnostics).
 
 A ratio is mean loss (three seeds) / AdamW-modular's mean loss of the same question and length;
 "± " is the sample std over seeds of the per-seed ratio (seed s against AdamW-modular's seed s:
@@ -33,9 +35,17 @@ SEEDS = (0, 1, 2)
 REFERENCE = "adamw-modular"
 
 
+#: Flags that do not change training (``--diagnostics`` only records): not part of a setting.
+NOT_TRAINING = ("seed", "seq_len", "batch_size", "diagnostics")
+
+#: Runs of other studies that are seqlen2 runs: seqlen2-remedies.toml's reference GWT-2 (lr 2e-2,
+#: three seeds at 128, 512 and 1024) is seqlen2's GWT-2 setting, recorded with --diagnostics.
+ALSO = (("remedies.jsonl", "gwt-2"),)
+
+
 def _setting(flags: dict) -> str:
-    """A run's setting across lengths: its flags but the seed and the batch shape."""
-    return json.dumps({k: v for k, v in flags.items() if k not in ("seed", "seq_len", "batch_size")}, sort_keys=True)
+    """A run's setting across lengths: its flags but the seed, the batch shape and --diagnostics."""
+    return json.dumps({k: v for k, v in flags.items() if k not in NOT_TRAINING}, sort_keys=True)
 
 
 def collect(records: list[dict]) -> dict:
@@ -53,32 +63,50 @@ def _complete(per_len: dict, L: int) -> bool:
 
 
 def choose(runs: dict, lengths: list[int]) -> dict:
-    """``{question: {name: {seq_len: setting}}}``: fixed (best at the shortest length) and retuned."""
+    """``{question: {name: {seq_len: setting}}}``: fixed (best at the shortest length) and retuned.
+
+    A length where no setting of an optimizer has all three seeds yet falls back to seed 0's best
+    (its cells say "1 seed"): the study ran out of machine time there.
+    """
     out: dict = {"fixed": {}, "retuned": {}}
     for name, settings in runs.items():
         for L in lengths:
             done = {s: np.mean([v[L][x] for x in SEEDS]) for s, v in settings.items() if _complete(v, L)}
+            if not done:
+                done = {s: v[L][0] for s, v in settings.items() if 0 in v.get(L, {})}
             if done:
                 out["retuned"].setdefault(name, {})[L] = min(done, key=lambda s: (done[s], s))
         base = out["retuned"].get(name, {}).get(lengths[0])
         if base is not None:
-            out["fixed"][name] = {L: base for L in lengths if _complete(settings[base], L)}
+            out["fixed"][name] = {L: base for L in lengths if 0 in settings[base].get(L, {})}
     return out
 
 
 def table(runs: dict, chosen: dict, lengths: list[int]) -> dict:
-    """``{question: {name: {seq_len: {"mean", "std", "ratio", "ratio_std", "setting"}}}}``."""
+    """``{question: {name: {seq_len: {"mean", "std", "n", "ratio", "ratio_std", "setting"}}}}``.
+
+    Over the seeds (of 0, 1, 2) the setting has at that length; the ratio pairs them with
+    AdamW-modular's same seeds.
+    """
     out: dict = {}
     for question, names in chosen.items():
         ref = names.get(REFERENCE, {})
         for name, per_len in names.items():
             for L, setting in per_len.items():
-                losses = np.array([runs[name][setting][L][s] for s in SEEDS])
-                cell = {"mean": float(losses.mean()), "std": float(losses.std(ddof=1)), "setting": json.loads(setting)}
+                have = runs[name][setting][L]
+                seeds = [s for s in SEEDS if s in have]
+                losses = np.array([have[s] for s in seeds])
+                cell = {"mean": float(losses.mean()), "std": float(losses.std(ddof=1)) if len(seeds) > 1 else 0.0,
+                        "n": len(seeds), "setting": json.loads(setting)}  # fmt: skip
                 if L in ref:
-                    ref_losses = np.array([runs[REFERENCE][ref[L]][L][s] for s in SEEDS])
-                    cell["ratio"] = float(losses.mean() / ref_losses.mean())
-                    cell["ratio_std"] = float((losses / ref_losses).std(ddof=1))
+                    ref_have = runs[REFERENCE][ref[L]][L]
+                    common = [s for s in seeds if s in ref_have]
+                    if common:
+                        per_seed = np.array([have[s] / ref_have[s] for s in common])
+                        ref_mean = np.mean([ref_have[s] for s in common])
+                        cell["ratio"] = float(np.mean([have[s] for s in common]) / ref_mean)
+                        cell["ratio_std"] = float(per_seed.std(ddof=1)) if len(common) > 1 else 0.0
+                        cell["ratio_n"] = len(common)
                 out.setdefault(question, {}).setdefault(name, {})[L] = cell
     return out
 
@@ -90,27 +118,41 @@ def _short(setting: dict) -> str:
     return ", ".join(parts)
 
 
+def _ratio_cell(c: dict | None) -> str:
+    if c is None or "ratio" not in c:
+        return ""
+    return f"**{c['ratio']:.3f}** ± {c['ratio_std']:.3f}" + ("" if c["ratio_n"] == 3 else f" ({c['ratio_n']} seed)")
+
+
+def _loss_cell(c: dict | None) -> str:
+    if c is None:
+        return ""
+    seeds = "" if c["n"] == 3 else f", {c['n']} seed"
+    return f"{c['mean']:.4f} ± {c['std']:.4f} ({_short(c['setting'])}{seeds})"
+
+
 def markdown(tab: dict, lengths: list[int]) -> str:
     lines = []
-    for question, title in (("fixed", "Fixed settings (each optimizer's best at 128, unchanged)"),
-                            ("retuned", "Retuned per length")):  # fmt: skip
-        names = tab.get(question, {})
+    titles = (("fixed", "Fixed settings (each optimizer's best at 128, unchanged at every length)"),
+              ("retuned", "Retuned at every length"))  # fmt: skip
+    head = "| optimizer | " + " | ".join(f"{L} tokens" for L in lengths) + " |"
+    rule = "|---|" + "---|" * len(lengths)
+    for question, title in titles:
+        names = sorted(tab.get(question, {}), key=lambda n: (n != REFERENCE, n))
         if not names:
             continue
-        lines += [f"**{title}**: mean validation loss of 3 seeds, and its ratio to AdamW-modular's", "",
-                  "| optimizer | " + " | ".join(f"{L} tokens" for L in lengths) + " |",
-                  "|---|" + "---|" * len(lengths)]  # fmt: skip
-        for name in sorted(names, key=lambda n: (n != REFERENCE, n)):
-            cells = []
-            for L in lengths:
-                c = names[name].get(L)
-                if c is None:
-                    cells.append("")
-                    continue
-                ratio = "" if "ratio" not in c else f" = **{c['ratio']:.4f}** ± {c['ratio_std']:.4f}"
-                cells.append(f"{c['mean']:.4f}{ratio} ({_short(c['setting'])})")
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
-        lines.append("")
+        ratio_rows, loss_rows = [], []
+        for name in names:
+            cells = [tab[question][name].get(L) for L in lengths]
+            ratio_rows.append(f"| {name} | " + " | ".join(
+                _ratio_cell(c) for c in cells
+            ) + " |")  # fmt: skip
+            loss_rows.append(f"| {name} | " + " | ".join(
+                _loss_cell(c) for c in cells
+            ) + " |")  # fmt: skip
+        lines += [f"**{title}**: validation loss / AdamW-modular's (three seeds; ± over the per-seed ratios)", "",
+                  head, rule, *ratio_rows, "", "Validation loss, mean ± std of three seeds (setting):", "",
+                  head, rule, *loss_rows, ""]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -140,6 +182,8 @@ def plot(tab: dict, lengths: list[int], path: str) -> None:
 def render(jsonl: str = os.path.join(HERE, "seqlen2.jsonl")) -> tuple[dict, list[int], str]:
     """(the ratio table, the lengths, ratios.md's text) from the study's JSONL."""
     records = sweep.load_records(jsonl)
+    for name, optimizer in ALSO:
+        records += [r for r in sweep.load_records(os.path.join(os.path.dirname(jsonl), name)) if r["name"] == optimizer]
     runs = collect(records)
     lengths = sorted({r["flags"]["seq_len"] for r in records})
     tab = table(runs, choose(runs, lengths), lengths)
