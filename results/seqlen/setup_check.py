@@ -3,6 +3,7 @@
     python results/seqlen/setup_check.py data        # -> results/seqlen/setup_data.json (no training)
     python results/seqlen/setup_check.py positions   # -> results/seqlen/setup_positions.json (needs seqlen2's runs)
     python results/seqlen/setup_check.py noise       # -> results/seqlen/setup_noise.json (needs seqlen2's runs)
+    python results/seqlen/setup_check.py detail_noise  # -> results/seqlen/setup_detail_noise.json (the same)
 
 data: the validation windows of the old studies (``--val-span 0``: ``eval_batches x batch_size``
 windows spread evenly over the validation text, so other text at every length) against
@@ -153,9 +154,57 @@ def check_noise(batches: int = 24) -> dict:
     return out
 
 
+def check_detail_noise(batches: int = 24) -> dict:
+    """Where the step's noise sits in GWT-2's split of a matrix gradient: approximation or details.
+
+    The same checkpoint and batches as `check_noise`. For the attention and MLP kernels, each
+    gradient is split along axis 0 (GWT's) into its Haar level-2 approximation part (block
+    means of 4 rows, `examples.llama.diagnostics.lowpass`) and its detail part (the rest).
+    Per part: noise / signal over the batches (as in `check_noise`), and the detail share of
+    the energy in one batch's gradient and in the mean gradient. GWT-2 runs Adam (momentum
+    0.9) on the approximation only; the details of each step go into its update as they are.
+    """
+    from examples.llama import diagnostics, train
+
+    r = _best_adamw_modular()[1024]
+    graphdef, params = _restore(os.path.join(REPO, r["run_dir"]))
+    grad_fn = jax.jit(jax.grad(lambda p, b: train.loss_fn(graphdef, p, b)))
+
+    @jax.jit
+    def split(grads):
+        leaves = [(path, g) for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]
+                  if diagnostics.param_group(path) != "other" and g.ndim == 2]  # fmt: skip
+        low = [diagnostics.lowpass(g, 0, 2) for _, g in leaves]
+        flat = lambda xs: jax.numpy.concatenate([x.ravel() for x in xs])  # noqa: E731
+        return flat(low), flat([g for _, g in leaves]) - flat(low)
+
+    def noise(g: np.ndarray) -> tuple[float, float, float]:
+        mean = g.mean(0)
+        return float(np.mean(((g - mean) ** 2).sum(1)) / (mean @ mean)), float((g**2).sum(1).mean()), float(mean @ mean)
+
+    out = {"checkpoint": r["run_dir"], "batches": batches, "rows": []}
+    for L in (128, 512, 1024):
+        loader = data_lib.make_data(_spec(L, SPAN))[1]
+        parts = [split(grad_fn(params, next(loader))) for _ in range(batches)]
+        low = np.stack([np.asarray(a, np.float64) for a, _ in parts])
+        det = np.stack([np.asarray(b, np.float64) for _, b in parts])
+        (n_low, e_low, m_low), (n_det, e_det, m_det) = noise(low), noise(det)
+        row = {"seq_len": L, "batch_size": TOKENS_PER_STEP // L, "noise_to_signal_approximation": n_low,
+               "noise_to_signal_details": n_det, "detail_share_one_batch": e_det / (e_det + e_low),
+               "detail_share_mean_gradient": m_det / (m_det + m_low)}  # fmt: skip
+        out["rows"].append(row)
+        print(row, flush=True)
+    return out
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "data"
-    result = {"data": check_data, "positions": check_positions, "noise": check_noise}[what]()
+    result = {
+        "data": check_data,
+        "positions": check_positions,
+        "noise": check_noise,
+        "detail_noise": check_detail_noise,
+    }[what]()
     path = os.path.join(HERE, f"setup_{what}.json")
     with open(path, "w") as fh:
         json.dump(result, fh, indent=1)

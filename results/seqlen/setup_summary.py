@@ -1,6 +1,6 @@
 """Issue 23: the tables of the setup checks, from their committed results, into setup.md.
 
-    python results/seqlen/setup_summary.py   # reads setup_data.json, setup_positions.json, setup_noise.json,
+    python results/seqlen/setup_summary.py   # reads setup_*.json,
                                              # control.jsonl, seqlen2.jsonl -> setup.md
 
 docs/study.md carries setup.md between its ``seqlen-setup`` markers (tests/test_seqlen_setup.py checks it).
@@ -70,6 +70,22 @@ def noise_table() -> list[str]:
     return lines
 
 
+def detail_noise_table() -> list[str]:
+    d = _load("setup_detail_noise.json")
+    lines = [
+        "| batch (2048 tokens) | noise / signal, approximation | noise / signal, details "
+        "| details' share of one batch's gradient | of the mean gradient |",
+        "|---|---|---|---|---|",
+    ]
+    for r in d["rows"]:
+        lines.append(
+            f"| {r['batch_size']} x {r['seq_len']} | {r['noise_to_signal_approximation']:.2f} | "
+            f"{r['noise_to_signal_details']:.2f} | {r['detail_share_one_batch']:.3f} | "
+            f"{r['detail_share_mean_gradient']:.3f} |"
+        )
+    return lines
+
+
 def control_table() -> list[str]:
     """AdamW-modular, seed 0: 16 x 128 from 16 places, 16 x 128 cut from the 2 x 1024 (4 x 512) text, and those."""
     main = [r for r in _load("seqlen2.jsonl") if r["name"] == "adamw-modular" and r["flags"]["seed"] == 0]
@@ -117,6 +133,11 @@ def render() -> str:
         "Gradients at 2048 tokens a step, at AdamW-modular's 1024-token checkpoint, 24 training batches of each shape:",
         "",
         *noise_table(),
+        "",
+        "The same gradients of the attention and MLP kernels, split as GWT-2 splits them (Haar level 2 "
+        "along the input axis: the approximation's block means and the details):",
+        "",
+        *detail_noise_table(),
         "",
         "The control, AdamW-modular, seed 0, final validation loss (same validation text):",
         "",
