@@ -15,38 +15,36 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+from examples.llama import rundir, sweep  # noqa: E402
+
 REFERENCE = "gwt-2"
 
 
 def _runs(path: str) -> dict:
     """``{(name, seq_len): {seed: record}}``, the last record of each run."""
     out: dict = {}
-    with open(path) as f:
-        for line in f:
-            r = json.loads(line)
-            if "error" not in r and r.get("final_val_loss") is not None:
-                out.setdefault((r["name"], r["flags"]["seq_len"]), {})[r["flags"]["seed"]] = r
+    for r in sweep.load_records(path):
+        if "error" not in r and r.get("final_val_loss") is not None:
+            out.setdefault((r["name"], r["flags"]["seq_len"]), {})[r["flags"]["seed"]] = r
     return out
 
 
 def _limiter(record: dict) -> dict:
     """Mean limiter factor per group over steps 31 on, from the run's metrics.jsonl (if it is there)."""
-    path = os.path.join(record.get("run_dir", ""), "metrics.jsonl")
-    if not os.path.exists(path):
-        return {}
     sums: dict = {}
-    with open(path) as f:
-        for line in f:
-            m = json.loads(line)
-            if m.get("step", 0) <= 30:
-                continue
-            for key, value in m.items():
-                if key.startswith("limiter_scale_mean/"):
-                    sums.setdefault(key.split("/")[-1], []).append(value)
+    for m in rundir.read_metrics(os.path.join(record.get("run_dir", ""), "metrics.jsonl")):
+        if m.get("step", 0) <= 30:
+            continue
+        for key, value in m.items():
+            if key.startswith("limiter_scale_mean/"):
+                sums.setdefault(key.split("/")[-1], []).append(value)
     return {g: float(np.mean(v)) for g, v in sums.items()}
 
 

@@ -30,7 +30,7 @@ import optax
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-from examples.llama import data as data_lib  # noqa: E402
+from examples.llama import data as data_lib, sweep  # noqa: E402
 
 HERE = os.path.join(REPO, "results", "seqlen")
 LENGTHS = (64, 128, 256, 512, 1024)
@@ -113,7 +113,7 @@ def check_positions() -> dict:
 
 def _best_adamw_modular(seed: int = 0) -> dict:
     """{seq_len: record} of AdamW-modular's best-lr run of `seed` at each length in seqlen2.jsonl."""
-    records = [json.loads(line) for line in open(os.path.join(HERE, "seqlen2.jsonl"))]
+    records = sweep.load_records(os.path.join(HERE, "seqlen2.jsonl"))
     best = {}
     for r in records:
         f = r["flags"]
