@@ -18,7 +18,7 @@ from optax_gwt import (
     sharding,
     wavelets,
 )
-from optax_gwt.adam import GWTBase, Preconditioner, adam_preconditioner, scale_by_reference_adam
+from optax_gwt.adam import SECOND_MOMENTS, GWTBase, Preconditioner, adam_preconditioner, scale_by_reference_adam
 from optax_gwt.adam_mini import (
     Blocks,
     ScaleByAdamMiniState,
@@ -27,6 +27,7 @@ from optax_gwt.adam_mini import (
     output_blocks,
     scale_by_adam_mini,
 )
+from optax_gwt.foam import foam_adamw, scale_by_foam
 from optax_gwt.memory import StateBytes, optimizer_state_bytes
 from optax_gwt.projection import LeafSpec, WaveletCoefficients, WaveletProjection
 from optax_gwt.stages import (
@@ -43,6 +44,7 @@ from optax_gwt.wavelets import wavedec, waverec
 
 __all__ = [
     "DETAIL_RULES",
+    "SECOND_MOMENTS",
     "STATIC_ARGS",
     "DecayAfterStepState",
     "GWTBase",
@@ -62,6 +64,7 @@ __all__ = [
     "ScaleByAdamMiniState",
     "cpu_kernel",
     "decay_weights_after_step",
+    "foam_adamw",
     "gwt_adamw",
     "haar",
     "limit_norm_growth",
@@ -69,6 +72,7 @@ __all__ = [
     "plan",
     "on_approximation",
     "optimizer_state_bytes",
+    "scale_by_foam",
     "scale_by_gwt",
     "scale_by_reference_adam",
     "sharding",

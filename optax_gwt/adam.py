@@ -17,9 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_gwt import cpu_kernel as _cpu_kernel
+from optax_gwt import cpu_kernel as _cpu_kernel, haar
 
-__all__ = ["Preconditioner", "GWTBase", "adam_preconditioner", "scale_by_reference_adam"]
+__all__ = ["SECOND_MOMENTS", "Preconditioner", "GWTBase", "adam_preconditioner", "scale_by_reference_adam"]
+
+#: What the second moment of `scale_by_reference_adam` averages for a Haar approximation.
+SECOND_MOMENTS = ("approx", "energy")
 
 
 class Preconditioner(NamedTuple):
@@ -71,7 +74,10 @@ class GWTBase(NamedTuple):
     None), from which a compiled kernel may compute the moments in one read;
     it returns ``(updates, state, sq_norms)``, with per leaf the squared norm
     of the step divided by its ``step_scale`` (the norm-growth limiter's
-    input; the kernel computes it in the same read), or None.
+    input; the kernel computes it in the same read), or None. A base with
+    ``block_energy`` True reads each block's energy from the gradients: it
+    gets them for every Haar closed-form leaf, in the compute dtype, and
+    `on_approximation` refuses transforms that have none (other wavelets).
 
     Example:
       >>> import jax.numpy as jnp, optax_gwt
@@ -87,6 +93,7 @@ class GWTBase(NamedTuple):
     update: optax.TransformUpdateExtraArgsFn
     preconditioner: Callable[[optax.OptState], Preconditioner | None]
     update_on_approximation: Callable[[Any, optax.OptState, Any], tuple[Any, optax.OptState, Any]]
+    block_energy: bool = False
 
 
 def _scalar_dtype(tree: Any) -> np.dtype:
@@ -170,6 +177,7 @@ def scale_by_reference_adam(
     bias_correction: bool = True,
     nu_dtype: Any | None = None,
     cpu_kernel: bool = False,
+    second_moment: str = "approx",
 ) -> GWTBase:
     """Adam in the form of the GWT reference (Hugging Face's AdamW).
 
@@ -192,6 +200,14 @@ def scale_by_reference_adam(
         Haar approximation from its full gradient with the compiled kernel of
         `optax_gwt.cpu_kernel` (one read of the gradient) where it applies;
         the same values as the XLA formula up to float rounding.
+      second_moment: what ``v`` averages for a Haar approximation, as GWT's
+        base. ``"approx"`` (GWT's reference): the square of the coefficient,
+        ``a^2``. ``"energy"`` (FOAM's, Wen et al., arXiv 2512.07112): the
+        block's energy ``sum(g^2)`` over its ``B`` entries, which by
+        Parseval is ``a^2`` plus the squares of the block's detail
+        coefficients, so ``v`` sees the high frequencies too (for the
+        reference, the block mean of ``g^2``, in the approximation's units).
+        Arrays that are not transformed get ``g^2`` either way.
 
     Returns:
       A `GWTBase` (an Optax transformation that states its `Preconditioner`).
@@ -207,6 +223,9 @@ def scale_by_reference_adam(
       >>> [round(float(x), 3) for x in out["w"]]
       [1.0, -1.0, 0.0]
     """
+    if second_moment not in SECOND_MOMENTS:
+        raise ValueError(f"second_moment must be one of {SECOND_MOMENTS}, got {second_moment!r}")
+    energy = second_moment == "energy"
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
     nu_dtype = None if nu_dtype is None else jnp.dtype(nu_dtype)
 
@@ -218,10 +237,15 @@ def scale_by_reference_adam(
     def moments(g, m, v, signal):
         """``(m, v, ||m / (sqrt(v) + eps)||^2)`` of one leaf, the moments in their state dtypes
         and the limiter's input computed from them."""
-        if cpu_kernel and signal is not None and _cpu_kernel.applies(signal[0], m, v):
+        if cpu_kernel and not energy and signal is not None and _cpu_kernel.applies(signal[0], m, v):
             gradient, axis, block = signal
             return _cpu_kernel.haar_adam_moments(gradient, m, v, axis=axis, block=block, b1=b1, b2=b2, eps=eps)
-        m, v = _moment(g, m, b1, 1).astype(m.dtype), _moment(g, v, b2, 2).astype(v.dtype)
+        if energy and signal is not None:
+            gradient, axis, block = signal
+            v = _moment(haar.block_sums(jnp.square(gradient), axis, block), v, b2, 1).astype(v.dtype)
+        else:
+            v = _moment(g, v, b2, 2).astype(v.dtype)
+        m = _moment(g, m, b1, 1).astype(m.dtype)
         return m, v, jnp.sum(jnp.square(_step(m, v)))
 
     def _step(m, v):
@@ -246,4 +270,4 @@ def scale_by_reference_adam(
         return step(updates, state, None)[:2]
 
     precond = adam_preconditioner(b1, b2, eps, reference=True, bias_correction=bias_correction)
-    return GWTBase(init_fn, update_fn, precond, step)
+    return GWTBase(init_fn, update_fn, precond, step, block_energy=energy)

@@ -74,6 +74,7 @@ def adam_update(
     eps: jax.Array | float,
     approx_factor: jax.Array,
     detail_factor: jax.Array,
+    residual: float | jax.Array | None = None,
 ) -> jax.Array:
     """Haar GWT's update of one array with a diagonal Adam step on its approximation.
 
@@ -99,6 +100,9 @@ def adam_update(
       axis, block: the transform axis and ``B = 2^level``.
       eps: added to ``sqrt(nu)``.
       approx_factor, detail_factor: scalars (bias correction, limiter).
+      residual: ``rho``, or None: adds ``(rho * (G - mean))^2`` to the
+        repeated ``nu`` under the square root (FOAM's residual in the second
+        moment).
     """
     n = g.shape[axis]
     dtype = g.dtype
@@ -111,9 +115,11 @@ def adam_update(
         return repeat_blocks(x.astype(dtype), axis, block, n)
 
     s = jnp.asarray(block**-0.5, dtype)
+    detail = g - rep(approx) * s
     # ``+ 0 * g`` (exact: a non-finite G already makes the whole update NaN) keeps
     # XLA from hoisting the square root before the repeat, where it would be
     # materialised per block instead of fused.
-    den = jnp.sqrt(rep(nu) + jnp.zeros([], dtype) * g) + jnp.asarray(eps, dtype)
-    numerator = (g - rep(approx) * s) * detail_factor.astype(dtype) + rep(mu) * (approx_factor.astype(dtype) * s)
+    added = jnp.zeros([], dtype) * g if residual is None else jnp.square(jnp.asarray(residual, dtype) * detail)
+    den = jnp.sqrt(rep(nu) + added) + jnp.asarray(eps, dtype)
+    numerator = detail * detail_factor.astype(dtype) + rep(mu) * (approx_factor.astype(dtype) * s)
     return numerator / den

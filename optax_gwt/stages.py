@@ -21,6 +21,7 @@ projection.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -50,7 +51,13 @@ __all__ = [
     "wavelet_inverse",
 ]
 
-DETAIL_RULES = ("auto", "adam", "norm_ratio", "zero")
+DETAIL_RULES = ("auto", "adam", "norm_ratio", "zero", "residual")
+
+
+_NEEDS_BLOCKS = (
+    "{path}: {what} needs Haar blocks (wavelet 'haar', mode 'zero' or lengths divisible by "
+    "2^level); this array is transformed with {x.spec.wavelet!r} in mode {x.spec.mode!r}"
+)
 
 
 def _flatten(tree: Any) -> tuple[list, Any]:
@@ -238,7 +245,7 @@ def on_approximation(
         _check_state(inner, inner_in, state.inner_state)
         if isinstance(inner, GWTBase):
             steps, inner_state, sq_norms = inner.update_on_approximation(
-                inner_in, state.inner_state, _haar_signals(leaves, treedef)
+                inner_in, state.inner_state, _haar_signals(leaves, treedef, inner.block_energy)
             )
             sq_norms = treedef.flatten_up_to(sq_norms)
         else:
@@ -264,12 +271,17 @@ def _approx_params(params: Any, projection: WaveletProjection) -> Any:
     )
 
 
-def _haar_signals(leaves: list, treedef) -> Any:
+def _haar_signals(leaves: list, treedef, block_energy: bool) -> Any:
     """Per leaf, ``(G, axis, B)`` where a Haar closed-form node carries its gradient
-    in the gradient's own dtype (the CPU kernel's input), else None."""
+    in the gradient's own dtype (the CPU kernel's input), or in any dtype for a base
+    that reads the blocks' energy; else None."""
 
     def one(x):
-        if is_coefficients(x) and x.signal is not None and x.signal.dtype == x.spec.dtype:
+        if not is_coefficients(x):
+            return None
+        if x.signal is None and block_energy:
+            raise ValueError(_NEEDS_BLOCKS.format(path=x.spec.path, what="a base with second_moment='energy'", x=x))
+        if x.signal is not None and (block_energy or x.signal.dtype == x.spec.dtype):
             return (x.signal, x.spec.axis, x.spec.block)
         return None
 
@@ -432,18 +444,52 @@ def _resolve_rule(x: WaveletCoefficients, rule: str) -> str:
     if rule == "auto":
         return "adam" if x.adam is not None else "norm_ratio"
     _require(
-        rule != "adam" or x.adam is not None,
+        rule not in ("adam", "residual") or x.adam is not None,
         "wavelet_inverse",
-        "detail_rule='adam' needs the base's "
+        f"detail_rule={rule!r} needs the base's "
         "denominator: give on_approximation a preconditioner (optax_gwt.adam_preconditioner for "
         "optax.scale_by_adam), or use 'norm_ratio' or 'zero'",
     )
+    if rule == "residual" and x.signal is None:
+        raise ValueError(_NEEDS_BLOCKS.format(path=x.spec.path, what="detail_rule='residual'", x=x))
     return rule
 
 
-def _inverse_node(x: WaveletCoefficients, rule: str, bias_correct_details: bool, clip: float | None) -> jax.Array:
+def _residual_update(x: WaveletCoefficients, bias_correct_details: bool, residual_scale: float) -> jax.Array:
+    """FOAM's full-size update of one node (before `scale`): the residual in the moments.
+
+    With ``R = G - mean`` (the gradient minus its block means, the details in
+    Haar closed form) in the approximation's units, ``r = residual_scale *
+    sqrt(B) * R``, and ``c`` the step's factor: ``(c * mu + c_d * r) /
+    (lam * (sqrt(nu + r^2) + sqrt(B) * eps))``, ``mu`` and ``nu`` repeated in
+    place (``eps`` is in the gradient's units, as in FOAM).
+    """
+    assert x.adam is not None and x.signal is not None and x.grad_approx is not None  # _resolve_rule
+    lam = _limit(x)
+    root_block = math.sqrt(x.spec.block)
+    rho = residual_scale * root_block
+    return haar.adam_update(
+        x.signal,
+        x.grad_approx,
+        x.adam.mu,
+        x.adam.nu,
+        axis=x.spec.axis,
+        block=x.spec.block,
+        eps=x.adam.eps * root_block,
+        approx_factor=x.adam.step * root_block / lam,
+        detail_factor=_adam_detail_factor(x, bias_correct_details) * rho / lam,
+        residual=rho,
+    )
+
+
+def _inverse_node(
+    x: WaveletCoefficients, rule: str, bias_correct_details: bool, clip: float | None, residual_scale: float
+) -> jax.Array:
     """The full-size update of one node (before `scale`), in its compute dtype."""
     rule = _resolve_rule(x, rule)
+    if rule == "residual":
+        return _residual_update(x, bias_correct_details, residual_scale)
+
     fused = rule == "adam" and clip is None and x.exact and x.spec.closed_form
     if not fused:
         return inverse_leaf(x, _detail_weight(x, rule, bias_correct_details), clip)
@@ -471,6 +517,7 @@ def wavelet_inverse(
     *,
     bias_correct_details: bool = True,
     detail_clip: float | None = None,
+    residual_scale: float = 1.0,
 ) -> optax.GradientTransformation:
     """Stages 4-5 of GWT: the details rescaled, and the full-size update rebuilt.
 
@@ -485,7 +532,15 @@ def wavelet_inverse(
       denominator of its approximation coefficient;
     * ``"norm_ratio"``: ``w = ||N|| / ||A||`` (any base: Lion, Muon, ...);
     * ``"zero"``: the details are dropped (a pure low-pass update);
-    * ``"auto"``: ``"adam"`` when the base stated a denominator, else ``"norm_ratio"``.
+    * ``"auto"``: ``"adam"`` when the base stated a denominator, else ``"norm_ratio"``;
+    * ``"residual"`` (FOAM's, Haar blocks only): the details enter Adam's
+      moments instead of being divided by them. With ``R = G - mean`` (the
+      gradient minus its block means, which waverec of the details is) and
+      ``r = residual_scale * sqrt(B) * R``, per entry ``U = scale * (c * mu +
+      c_d * r) / (lam * (sqrt(nu + r^2) + sqrt(B) * eps))``, ``mu`` and ``nu``
+      the base's moments repeated in place, ``c`` its step factor and ``c_d``
+      the details' (``eps`` in the gradient's units). The approximation step
+      ``N`` is not used but through ``lam``.
 
     Other arrays pass through. Stateless.
 
@@ -496,13 +551,16 @@ def wavelet_inverse(
         details (the reference applies it, amplifying the first steps' high
         frequencies by up to ``1 / (1 - b1)``).
       detail_clip: None (the reference) or a bound: the details' part of the
-        update (before `scale`) is clipped to ``[-detail_clip, detail_clip]``.
+        update (before `scale`) is clipped to ``[-detail_clip, detail_clip]``
+        (not with ``"residual"``).
+      residual_scale: FOAM's ``res_scale``, the weight of the residual in the
+        moments under ``"residual"`` (ignored by the other rules).
 
     Returns:
       An `optax.GradientTransformation` (state `optax.EmptyState`).
 
     References:
-      Wen et al., arXiv 2501.07237, Algorithm 1.
+      Wen et al., arXiv 2501.07237, Algorithm 1; FOAM: Wen et al., arXiv 2512.07112.
 
     Example:
       >>> import jax.numpy as jnp, optax, optax_gwt
@@ -515,11 +573,13 @@ def wavelet_inverse(
     """
     if detail_rule not in DETAIL_RULES:
         raise ValueError(f"detail_rule must be one of {DETAIL_RULES}, got {detail_rule!r}")
+    if detail_rule == "residual" and detail_clip is not None:
+        raise ValueError("detail_clip applies to the rules that add the details to the update, not to 'residual'")
 
     def one(x):
         if not is_coefficients(x):
             return x
-        u = _inverse_node(x, detail_rule, bias_correct_details, detail_clip)
+        u = _inverse_node(x, detail_rule, bias_correct_details, detail_clip, residual_scale)
         u = (u * jnp.asarray(scale, u.dtype)).astype(x.spec.dtype)
         return sharding_lib.reshard_to(u, x.sharding)
 

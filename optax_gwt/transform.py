@@ -48,6 +48,8 @@ def scale_by_gwt(
     eps: float = 1e-6,
     bias_correct_details: bool = True,
     detail_clip: float | None = None,
+    second_moment: str = "approx",
+    residual_scale: float = 1.0,
     axis: AxisSpec = 0,
     mask: MaskSpec = None,
     min_dim_size: int | None = None,
@@ -75,7 +77,9 @@ def scale_by_gwt(
         detail rule with ``adam_preconditioner(b1, b2, eps)``: pass it the
         base's own constants.
       level, wavelet, mode, axis, mask, min_dim_size: see `WaveletProjection`.
-      scale, detail_rule, bias_correct_details, detail_clip: see `wavelet_inverse`.
+      scale, detail_rule, bias_correct_details, detail_clip, residual_scale: see `wavelet_inverse`.
+      second_moment: the built-in Adam's (`scale_by_reference_adam`):
+        ``"energy"`` is FOAM's second moment.
       norm_growth_limit: gamma of `limit_norm_growth` (None: no limiter).
       b1, b2, eps, mu_dtype, nu_dtype: the built-in Adam's (see above).
       cpu_kernel: with the built-in Adam, the limiter on, rule ``"adam"`` or
@@ -108,14 +112,24 @@ def scale_by_gwt(
         kernel = (
             cpu_kernel and norm_growth_limit is not None and detail_rule in ("auto", "adam") and detail_clip is None
         )
-        base = scale_by_reference_adam(b1, b2, eps, mu_dtype, nu_dtype=nu_dtype, cpu_kernel=kernel)
+        base = scale_by_reference_adam(
+            b1, b2, eps, mu_dtype, nu_dtype=nu_dtype, cpu_kernel=kernel, second_moment=second_moment
+        )
         preconditioner = None
     else:
+        if second_moment != "approx":
+            raise ValueError("second_moment chooses the built-in Adam's second moment: with a given base, leave it")
         base, preconditioner = base_optimizer, adam_preconditioner(b1, b2, eps)
     stages = [wavelet_project(projection), on_approximation(base, projection, preconditioner=preconditioner)]
     stages.append(limit_norm_growth(norm_growth_limit) if norm_growth_limit is not None else optax.identity())
     stages.append(
-        wavelet_inverse(scale, detail_rule, bias_correct_details=bias_correct_details, detail_clip=detail_clip)
+        wavelet_inverse(
+            scale,
+            detail_rule,
+            bias_correct_details=bias_correct_details,
+            detail_clip=detail_clip,
+            residual_scale=residual_scale,
+        )
     )
     return optax.chain(*stages)
 
@@ -136,6 +150,8 @@ def gwt_adamw(
     detail_rule: str = "auto",
     bias_correct_details: bool = True,
     detail_clip: float | None = None,
+    second_moment: str = "approx",
+    residual_scale: float = 1.0,
     axis: AxisSpec = 0,
     wavelet_mask: MaskSpec = None,
     min_dim_size: int | None = None,
@@ -161,8 +177,8 @@ def gwt_adamw(
       weight_decay: decoupled weight decay.
       mask: which params weight decay applies to (as in `optax.adamw`).
       level, wavelet, mode, scale, norm_growth_limit, detail_rule,
-      bias_correct_details, detail_clip, axis, min_dim_size, mu_dtype, nu_dtype,
-      cpu_kernel: see `scale_by_gwt`.
+      bias_correct_details, detail_clip, second_moment, residual_scale, axis,
+      min_dim_size, mu_dtype, nu_dtype, cpu_kernel: see `scale_by_gwt`.
       wavelet_mask: which params may be transformed (`scale_by_gwt`'s mask).
 
     Example:
@@ -187,6 +203,8 @@ def gwt_adamw(
             eps=eps,
             bias_correct_details=bias_correct_details,
             detail_clip=detail_clip,
+            second_moment=second_moment,
+            residual_scale=residual_scale,
             axis=axis,
             mask=wavelet_mask,
             min_dim_size=min_dim_size,

@@ -7,35 +7,9 @@ import optax
 import pytest
 
 import optax_gwt
-from reference import ReferenceGWTAdamW
+from reference import ReferenceGWTAdamW, problem as _problem, random_grads as _grads, run_both as _run_both
 
 pytestmark = pytest.mark.usefixtures("x64")
-
-
-def _problem(shapes, seed=0, dtype=np.float64):
-    rng = np.random.default_rng(seed)
-    params = {k: rng.standard_normal(s).astype(dtype) for k, s in shapes.items()}
-    return params, rng
-
-
-def _grads(rng, params, dtype=np.float64):
-    # Gradients with a changing scale so that the limiter acts on some steps.
-    scale = rng.uniform(0.2, 5.0)
-    return {k: (scale * rng.standard_normal(p.shape)).astype(dtype) for k, p in params.items()}
-
-
-def _run_both(opt, ref, shapes, steps=6, seed=0, dtype=np.float64):
-    params, rng = _problem(shapes, seed, dtype)
-    ref_params = {k: v.astype(np.float64) for k, v in params.items()}
-    jparams = jax.tree_util.tree_map(jnp.asarray, params)
-    state = opt.init(jparams)
-    update = jax.jit(opt.update)
-    for _ in range(steps):
-        grads = _grads(rng, params, dtype)
-        ref_params = ref.step(ref_params, {k: g.astype(np.float64) for k, g in grads.items()})
-        u, state = update(jax.tree_util.tree_map(jnp.asarray, grads), state, jparams)
-        jparams = optax.apply_updates(jparams, u)
-    return jparams, ref_params, state
 
 
 SHAPES = {"w": (37, 6), "v": (16, 5), "sq": (8, 8), "bias": (7,)}
