@@ -27,7 +27,7 @@ from optax_gwt.adam_mini import (
     output_blocks,
     scale_by_adam_mini,
 )
-from optax_gwt.foam import foam_adamw, scale_by_foam
+from optax_gwt.foam import FOAM_STATIC_ARGS, foam_adamw, scale_by_foam
 from optax_gwt.memory import StateBytes, optimizer_state_bytes
 from optax_gwt.projection import LeafSpec, WaveletCoefficients, WaveletProjection
 from optax_gwt.stages import (
@@ -44,6 +44,7 @@ from optax_gwt.wavelets import wavedec, waverec
 
 __all__ = [
     "DETAIL_RULES",
+    "FOAM_STATIC_ARGS",
     "SECOND_MOMENTS",
     "STATIC_ARGS",
     "DecayAfterStepState",

@@ -24,9 +24,13 @@ from typing import Any
 import optax
 
 from optax_gwt.projection import AxisSpec, MaskSpec
-from optax_gwt.transform import gwt_adamw, scale_by_gwt
+from optax_gwt.transform import STATIC_ARGS, gwt_adamw, scale_by_gwt
 
-__all__ = ["scale_by_foam", "foam_adamw"]
+__all__ = ["FOAM_STATIC_ARGS", "scale_by_foam", "foam_adamw"]
+
+#: `STATIC_ARGS` for `foam_adamw` (whose wavelet and mode are fixed): pass them as
+#: ``optax.inject_hyperparams(foam_adamw, static_args=FOAM_STATIC_ARGS)``.
+FOAM_STATIC_ARGS = tuple(name for name in STATIC_ARGS if name not in ("wavelet", "mode"))
 
 
 def scale_by_foam(
@@ -134,7 +138,8 @@ def foam_adamw(
     residual rule and no limiter. The defaults are those of the authors'
     optimizer class (betas 0.9 and 0.999, eps 1e-8, ``res_scale`` 1) and of
     their training scripts (level 2, scale 0.25; the scripts also set
-    beta2 0.95 and lr 1e-2).
+    beta2 0.95 and lr 1e-2). Under ``optax.inject_hyperparams`` pass
+    ``static_args=optax_gwt.FOAM_STATIC_ARGS``.
 
     Args:
       learning_rate: a float or an Optax schedule.

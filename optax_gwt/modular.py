@@ -31,6 +31,7 @@ import optax
 from optax_gwt.adam_mini import adam_mini_blocks, path_names, scale_by_adam_mini
 from optax_gwt.memory import optimizer_state_bytes
 from optax_gwt.models.llama_config import CONFIGS
+from optax_gwt.foam import foam_adamw
 from optax_gwt.transform import gwt_adamw, scale_by_gwt
 
 __all__ = [
@@ -66,6 +67,9 @@ DEFAULT_LR = {
     "gwt-adam-mini": 2e-2,  # as gwt
     "gwt-muon": 5e-2,  # Muon's steps have RMS ~ 2 / sqrt(128) on the 9m approximations: a larger lr
     "gwt-factored": 2e-2,  # as gwt
+    "foam": 1e-2,  # the FOAM authors' scripts' lr (not swept here)
+    "gwt-energy": 2e-2,  # as gwt
+    "gwt-residual": 2e-2,  # as gwt
 }
 OPTIMIZERS = tuple(DEFAULT_LR)
 
@@ -187,6 +191,9 @@ def make_optimizer(
         ``adafactor``: `optax.adafactor` for everything;
         ``adam-mini``: `optax_gwt.scale_by_adam_mini` for everything, one lr
         (per-head q/k blocks, heads from `infer_num_heads`);
+        ``foam``: `optax_gwt.foam_adamw` (`level`, no limiter) on the matrices, modular lrs;
+        ``gwt-energy``, ``gwt-residual``: ``gwt`` with one of FOAM's two ideas
+        (``second_moment="energy"``; ``detail_rule="residual"``);
         ``gwt-lion``, ``gwt-muon``, ``gwt-factored``, ``gwt-adam-mini``:
         `scale_by_gwt` with that base (`GWT_BASES`: Lion, Muon, the authors'
         Adafactor-style factored RMS, Adam-mini) on the matrices, the details
@@ -225,18 +232,21 @@ def make_optimizer(
     matrix: optax.GradientTransformation
     if name == "adamw-modular":
         matrix = adamw(lr * alpha)
-    elif name in ("gwt", "gwt-nobc"):
+    elif name in ("gwt", "gwt-nobc", "gwt-energy", "gwt-residual"):
         matrix = gwt_adamw(
             sched(lr),
             weight_decay=weight_decay,
             level=level,
             wavelet=wavelet,
             scale=alpha,
-            detail_rule=detail_rule,
-            bias_correct_details=name == "gwt",
+            detail_rule="residual" if name == "gwt-residual" else detail_rule,
+            second_moment="energy" if name == "gwt-energy" else "approx",
+            bias_correct_details=name != "gwt-nobc",
             norm_growth_limit=norm_growth_limit,
             axis=gwt_axis,
         )
+    elif name == "foam":
+        matrix = foam_adamw(sched(lr), weight_decay=weight_decay, level=level, scale=alpha, axis=gwt_axis)
     elif name == "galore":
         rank = galore_rank or galore_rank_matching(params, level)
         matrix = optax.contrib.galore(

@@ -81,10 +81,13 @@ def chosen_axes(specs, axis) -> tuple:
     return tuple(axis if v.ndim >= 2 else None for _, v in sorted(params0().items()))
 
 
+BUILDERS = {"gwt": optax_gwt.gwt_adamw, "foam": optax_gwt.foam_adamw}
+
+
 @functools.cache
-def gwt(axes: tuple):
-    """GWT-AdamW with the given per-param axes (cached: one compiled reference per choice)."""
-    return optax_gwt.gwt_adamw(1e-3, weight_decay=0.1, axis=dict(zip(sorted(PARAMS), axes, strict=True)))
+def gwt(axes: tuple, builder: str = "gwt"):
+    """GWT-AdamW (or FOAM) with the given per-param axes (cached: one compiled reference per choice)."""
+    return BUILDERS[builder](1e-3, weight_decay=0.1, axis=dict(zip(sorted(PARAMS), axes, strict=True)))
 
 
 def grads_at(step: int):
@@ -96,9 +99,9 @@ def grads_at(step: int):
 
 
 @functools.cache
-def reference_updates(axes: tuple, steps: int):
-    """One device: the updates and states of `steps` GWT steps on `grads_at`."""
-    opt, params = gwt(axes), params0()
+def reference_updates(axes: tuple, steps: int, builder: str = "gwt"):
+    """One device: the updates and states of `steps` GWT (or FOAM) steps on `grads_at`."""
+    opt, params = gwt(axes, builder), params0()
     state, out = opt.init(params), []
     update = jax.jit(opt.update)
     for t in range(steps):
@@ -141,25 +144,26 @@ def assert_only_scalar_all_reduces(hlo: str) -> None:
             assert re.fullmatch(r"\s*\(?(f32\[\](,\s*)?)+\)?\s*", result_type), line
 
 
+@pytest.mark.parametrize("builder", sorted(BUILDERS))
 @pytest.mark.parametrize("name", ["fsdp", "data_x_model", "transform_axis_sharded"])
-def test_sharded_update_equals_single_device(name):
+def test_sharded_update_equals_single_device(name, builder):
     """Same gradients, 3 steps: the sharded updates and states equal one device's (float32, rtol 1e-5).
 
     With the transform axes unsharded, the compiled update moves no array
     between devices: its only collective is the all-reduce of the norm-growth
-    limiter's per-matrix scalars.
+    limiter's per-matrix scalars (FOAM, without a limiter, has none).
     """
     axes_of_mesh, specs, _, axis = CASES[name]
     mesh = mesh_of(axes_of_mesh)
     axes = chosen_axes(specs, axis)
-    opt, params = gwt(axes), params0()
+    opt, params = gwt(axes, builder), params0()
     psh = shardings(mesh, specs)
     ssh = state_shardings(opt, params, psh)
     update = jax.jit(opt.update, in_shardings=(psh, ssh, psh), out_shardings=(psh, ssh))
     state = jax.jit(opt.init, out_shardings=ssh)(jax.device_put(params, psh))
     if axis == "free":
         assert_only_scalar_all_reduces(update.lower(params, state, params).compile().as_text())
-    for t, expected in enumerate(reference_updates(axes, 3)):
+    for t, expected in enumerate(reference_updates(axes, 3, builder)):
         updates, state = update(jax.device_put(grads_at(t), psh), state, jax.device_put(params, psh))
         assert_trees_close((updates, state), expected, rtol=1e-5)
     for leaf, sharding in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(ssh), strict=True):
@@ -283,7 +287,7 @@ def test_explicit_axes_mesh():
     with jax.set_mesh(mesh):
         state = jax.jit(opt.init, out_shardings=ssh)(jax.device_put(params, psh))
         update = jax.jit(opt.update)
-        for t, expected in enumerate(reference_updates(axes, 3)):
+        for t, expected in enumerate(reference_updates(axes, 3, builder)):
             updates, state = update(jax.device_put(grads_at(t), psh), state, jax.device_put(params, psh))
             assert_trees_close((updates, state), expected, rtol=1e-5)
     for leaf, sharding in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(ssh), strict=True):

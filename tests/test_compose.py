@@ -24,10 +24,10 @@ def hand_gwt_adamw(learning_rate, level=2, weight_decay=None):
     return optax.chain(*stages)
 
 
-@pytest.fixture(params=["builder", "hand_chain"])
+@pytest.fixture(params=["builder", "hand_chain", "foam"])
 def make(request):
-    """Each composition runs with the builder and with the hand-built chain."""
-    return optax_gwt.gwt_adamw if request.param == "builder" else hand_gwt_adamw
+    """Each composition runs with the builder, with the hand-built chain and with FOAM's builder."""
+    return {"builder": optax_gwt.gwt_adamw, "hand_chain": hand_gwt_adamw, "foam": optax_gwt.foam_adamw}[request.param]
 
 
 def _moments(state):
@@ -120,7 +120,9 @@ def test_masked_leaves_others_untouched(make):
 
 def test_inject_hyperparams_changes_lr_without_recompiling(make):
     params = _tree()
-    static = optax_gwt.STATIC_ARGS if make is optax_gwt.gwt_adamw else ("level",)
+    static = {optax_gwt.gwt_adamw: optax_gwt.STATIC_ARGS, optax_gwt.foam_adamw: optax_gwt.FOAM_STATIC_ARGS}.get(
+        make, ("level",)
+    )
     opt = optax.inject_hyperparams(make, static_args=static)(learning_rate=1e-2, level=2)
     state = opt.init(params)
     traces = []

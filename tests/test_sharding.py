@@ -40,9 +40,10 @@ def specs_by_path(opt, params=PARAMS, specs=SPECS, mesh=MESH):
     return leaves_by_path(out, is_leaf=lambda x: isinstance(x, P))
 
 
-def test_gwt_adamw_state_specs():
+@pytest.mark.parametrize("builder", [optax_gwt.gwt_adamw, optax_gwt.foam_adamw], ids=["gwt", "foam"])
+def test_gwt_adamw_state_specs(builder):
     """Moments get the param's spec; the compressed axis keeps its mesh axis only where divisible."""
-    specs = specs_by_path(optax_gwt.gwt_adamw(1e-3, weight_decay=0.1, level=2))
+    specs = specs_by_path(builder(1e-3, weight_decay=0.1, level=2))
     for moment in ("mu", "nu"):
         # kernel rows 64 -> 16 compressed, divisible by fsdp=4: sharded like the param.
         assert specs[f"[0][1].inner_state.{moment}['dense']['kernel']"] == P("fsdp", "data")
@@ -51,6 +52,7 @@ def test_gwt_adamw_state_specs():
         assert specs[f"[0][1].inner_state.{moment}['odd']"] == P()
     scalars = [k for k in specs if "count" in k or "norm_prev" in k]
     assert scalars and all(specs[k] == P() for k in scalars)
+    assert ("norm_prev" in " ".join(specs)) == (builder is optax_gwt.gwt_adamw)  # FOAM has no limiter
 
 
 def test_level_decides_divisibility():

@@ -266,8 +266,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def run_name(args: argparse.Namespace) -> str:
-    """``gwt-2`` for GWT optimizers (with their level), else the optimizer's name."""
-    return f"{args.optimizer}-{args.level}" if "gwt" in args.optimizer else args.optimizer
+    """``gwt-2`` for GWT and FOAM optimizers (with their level), else the optimizer's name."""
+    return f"{args.optimizer}-{args.level}" if "gwt" in args.optimizer or args.optimizer == "foam" else args.optimizer
 
 
 def peak_lr(args: argparse.Namespace) -> float:
