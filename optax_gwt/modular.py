@@ -29,9 +29,9 @@ import jax
 import optax
 
 from optax_gwt.adam_mini import adam_mini_blocks, path_names, scale_by_adam_mini
+from optax_gwt.foam import foam_adamw
 from optax_gwt.memory import optimizer_state_bytes
 from optax_gwt.models.llama_config import CONFIGS
-from optax_gwt.foam import foam_adamw
 from optax_gwt.transform import gwt_adamw, scale_by_gwt
 
 __all__ = [

@@ -276,12 +276,13 @@ def test_compressed_axis_not_divisible_is_replicated():
     assert state[0][1].inner_state.mu["w2"].addressable_shards[0].data.shape == (2, 64)
 
 
-def test_explicit_axes_mesh():
+@pytest.mark.parametrize("builder", sorted(BUILDERS))
+def test_explicit_axes_mesh(builder):
     """On a mesh of explicit axes (`jax.make_mesh`'s default) the FSDP update runs and equals one device's."""
     axes_of_mesh, specs, _, axis = CASES["fsdp"]
     mesh = mesh_of(axes_of_mesh, AxisType.Explicit)
     axes = chosen_axes(specs, axis)
-    opt, params = gwt(axes), params0()
+    opt, params = gwt(axes, builder), params0()
     psh = shardings(mesh, specs)
     ssh = state_shardings(opt, params, psh)
     with jax.set_mesh(mesh):
