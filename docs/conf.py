@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import re
 import sys
 
 from sphinx.pycode import ModuleAnalyzer
@@ -65,76 +64,6 @@ html_theme_options = {
 html_last_updated_fmt = None
 
 
-# The docstrings are written to read well as plain text as well as in Sphinx. Three of their
-# idioms are not valid reStructuredText; they are rewritten here, only in what Sphinx reads
-# (the sources stay as they are, and a docstring already valid passes through unchanged):
-#   `name`s               a plural after a reference  ->  `name`\ s
-#   ``b -> ``             a space before the closing ``  ->  ``b ->``
-#   level, wavelet,       one Args entry for several names, its name list
-#     mode: see ...       wrapped over lines  ->  joined into one line
-_INLINE = re.compile(r"``.+?``|`[^`]+`")  # literals and references, paired left to right
-_NAME_LIST = re.compile(r"^(\s+)\w+(?:, \w+)*,$")
-
-
-def _inline(match: re.Match) -> str:
-    token = match.group(0)
-    if token.startswith("``"):
-        token = "``" + token[2:-2].strip() + "``"
-    after = match.string[match.end() : match.end() + 1]
-    return token + ("\\ " if after.isalnum() else "")
-
-
-def _indent(line: str) -> int:
-    return len(line) - len(line.lstrip())
-
-
-def _rst_friendly(app, what, name, obj, options, lines: list[str]) -> None:
-    out: list[str] = []
-    literal_above = None  # the indentation of the line ending in "::" while in its literal block
-    for line in lines:
-        if literal_above is not None and line.strip() and _indent(line) <= literal_above:
-            literal_above = None
-        if literal_above is None and not line.lstrip().startswith(">>>"):
-            line = _INLINE.sub(_inline, line)
-        if line.rstrip().endswith("::"):
-            literal_above = _indent(line)
-        names = _NAME_LIST.match(out[-1]) if out else None
-        if names and line.strip() and _indent(line) == len(names.group(1)):
-            out[-1] = out[-1] + " " + line.strip()  # the name list goes on
-            continue
-        out.append(line)
-    lines[:] = _split_attribute_groups(out)
-
-
-_SECTION = re.compile(r"^\s*(\w[\w ]*):$")
-_GROUP = re.compile(r"^(\s+)(\w+(?:, \w+)+): (.*)$")
-
-
-def _split_attribute_groups(lines: list[str]) -> list[str]:
-    """``a, b: what`` under Attributes: napoleon takes it for one attribute; one entry per name instead."""
-    out: list[str] = []
-    section, i = None, 0
-    while i < len(lines):
-        line = lines[i]
-        header = _SECTION.match(line)
-        if header and not line.startswith((" ", "\t")):
-            section = header.group(1)
-        group = _GROUP.match(line) if section == "Attributes" else None
-        if not group:
-            out.append(line)
-            i += 1
-            continue
-        indent, names, first = group.groups()
-        body = [first]
-        i += 1
-        while i < len(lines) and lines[i].strip() and _indent(lines[i]) > len(indent):
-            body.append(lines[i].strip())
-            i += 1
-        for name in names.split(", "):
-            out.append(f"{indent}{name}: " + " ".join(body))
-    return out
-
-
 def _constant_doc(app, what, name, obj, options, lines: list[str]) -> None:
     """A constant re-exported at the top (``optax_gwt.STATIC_ARGS``) gets its ``#:`` comment, never its type's doc."""
     if what != "data" or not type(obj).__doc__ or inspect.getdoc(obj) != inspect.getdoc(type(obj)):
@@ -158,5 +87,4 @@ def _skip_tuple_fields(app, what, name, obj, skip, options):
 
 def setup(app):
     app.connect("autodoc-skip-member", _skip_tuple_fields)
-    app.connect("autodoc-process-docstring", _rst_friendly, priority=400)  # before napoleon (500)
     app.connect("autodoc-process-docstring", _constant_doc, priority=300)

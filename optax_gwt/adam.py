@@ -33,8 +33,9 @@ class Preconditioner(NamedTuple):
     ``sqrt(nu) + eps`` of its approximation coefficient.
 
     Attributes:
-      mu, nu: pytrees like the base's params (the approximation): its first
-        and second moments after the step.
+      mu: a pytree like the base's params (the approximation): its first
+        moment after the step.
+      nu: its second moment after the step, like `mu`.
       step: the scalar ``a`` above, first-moment bias correction included.
       eps: the scalar ``eps`` above, in units of the uncorrected ``sqrt(nu)``.
       unbiased_step: ``step`` without the first moment's bias correction

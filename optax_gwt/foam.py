@@ -144,8 +144,8 @@ def foam_adamw(
     Args:
       learning_rate: a float or an Optax schedule.
       b1, b2, eps, weight_decay, mask: as `gwt_adamw`'s.
-      level, scale, residual_scale, norm_growth_limit, axis, min_dim_size,
-        mu_dtype, nu_dtype: see `scale_by_foam`.
+      level, scale, residual_scale, norm_growth_limit: see `scale_by_foam`.
+      axis, min_dim_size, mu_dtype, nu_dtype: see `scale_by_foam`.
       wavelet_mask: which params may be folded (`scale_by_foam`'s mask).
 
     Example:

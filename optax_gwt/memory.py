@@ -33,7 +33,7 @@ class StateBytes(NamedTuple):
 
 
 def tree_bytes(tree: Any) -> int:
-    """Bytes of all arrays (or `jax.ShapeDtypeStruct`s) in a pytree."""
+    """Bytes of all arrays (or `jax.ShapeDtypeStruct` instances) in a pytree."""
     return int(
         sum(np.prod(x.shape, dtype=np.int64) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
     )
@@ -44,7 +44,7 @@ def optimizer_state_bytes(optimizer: optax.GradientTransformation, params: Any) 
 
     Args:
       optimizer: any Optax transformation.
-      params: the params, or their `jax.ShapeDtypeStruct`s.
+      params: the params, or their `jax.ShapeDtypeStruct` instances.
 
     Returns:
       A `StateBytes`. Compare with ``optimizer_state_bytes(optax.adam(1e-3), params)``

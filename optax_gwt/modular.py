@@ -198,7 +198,7 @@ def make_optimizer(
         `scale_by_gwt` with that base (`GWT_BASES`: Lion, Muon, the authors'
         Adafactor-style factored RMS, Adam-mini) on the matrices, the details
         scaled by the norm ratio, modular lrs.
-      params: the model parameters (arrays or `jax.ShapeDtypeStruct`s).
+      params: the model parameters (arrays or `jax.ShapeDtypeStruct` instances).
       lr: peak learning rate (None: `DEFAULT_LR[name]`).
       steps: optimizer steps of the run (for the schedule).
       alpha: the matrices' learning-rate factor (GWT/GaLore ``scale``).

@@ -39,9 +39,12 @@ class LeafSpec:
 
     Attributes:
       path: the array's path in its pytree (``jax.tree_util.keystr``).
-      shape, dtype: the full-size array's shape and dtype name.
+      shape: the full-size array's shape.
+      dtype: the full-size array's dtype name.
       axis: the (non-negative) transform axis; ``length`` is ``shape[axis]``.
-      level, wavelet, mode: the DWT.
+      level: the DWT's number of levels.
+      wavelet: the DWT's wavelet (PyWavelets' name).
+      mode: the DWT's boundary mode.
 
     Example:
       >>> import jax.numpy as jnp, optax_gwt

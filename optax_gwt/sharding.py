@@ -102,7 +102,7 @@ def state_partition_specs(optimizer: optax.GradientTransformation, params: Any, 
 
     Args:
       optimizer: e.g. `optax_gwt.gwt_adamw(...)` or a chain containing it.
-      params: the params, or their `jax.ShapeDtypeStruct`s (nothing is
+      params: the params, or their `jax.ShapeDtypeStruct` instances (nothing is
         allocated: the state is traced with `jax.eval_shape`).
       param_specs: a pytree like `params` of `PartitionSpec` (or
         `NamedSharding`, or None for replicated).
@@ -136,10 +136,10 @@ def state_shardings(optimizer: optax.GradientTransformation, params: Any, param_
 
     Args:
       optimizer: any Optax transformation (see `state_partition_specs`).
-      params: the params, or their `jax.ShapeDtypeStruct`s.
+      params: the params, or their `jax.ShapeDtypeStruct` instances.
       param_shardings: a pytree like `params` of `NamedSharding`, all on one
         mesh. None: the shardings carried by `params` themselves (sharded
-        `jax.Array`s, or `ShapeDtypeStruct`s with a ``sharding``).
+        `jax.Array` instances, or `jax.ShapeDtypeStruct` instances with a ``sharding``).
 
     Returns:
       A pytree with the structure of the optimizer state, of `NamedSharding`
@@ -201,7 +201,7 @@ def per_device_bytes(tree: Any, specs: Any, mesh: Mesh) -> int:
     """Bytes one device holds of `tree` laid out by `specs` on `mesh`.
 
     Args:
-      tree: arrays or `jax.ShapeDtypeStruct`s (e.g. ``jax.eval_shape(opt.init, params)``).
+      tree: arrays or `jax.ShapeDtypeStruct` instances (e.g. ``jax.eval_shape(opt.init, params)``).
       specs: a pytree like `tree` of `PartitionSpec` (e.g. `state_partition_specs`).
       mesh: a `Mesh` or `AbstractMesh`; an axis split unevenly counts its
         largest shard.

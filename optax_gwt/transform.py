@@ -176,9 +176,10 @@ def gwt_adamw(
       b1, b2, eps: Adam's constants (eps is added to the uncorrected sqrt(v)).
       weight_decay: decoupled weight decay.
       mask: which params weight decay applies to (as in `optax.adamw`).
-      level, wavelet, mode, scale, norm_growth_limit, detail_rule,
-      bias_correct_details, detail_clip, second_moment, residual_scale, axis,
-      min_dim_size, mu_dtype, nu_dtype, cpu_kernel: see `scale_by_gwt`.
+      level, wavelet, mode, axis, min_dim_size: see `scale_by_gwt`.
+      scale, norm_growth_limit, detail_rule, bias_correct_details: see `scale_by_gwt`.
+      detail_clip, second_moment, residual_scale: see `scale_by_gwt`.
+      mu_dtype, nu_dtype, cpu_kernel: see `scale_by_gwt`.
       wavelet_mask: which params may be transformed (`scale_by_gwt`'s mask).
 
     Example:

@@ -57,7 +57,10 @@ class Wavelet:
 
     Attributes:
       name: PyWavelets' name, e.g. ``"haar"`` or ``"db2"``.
-      dec_lo, dec_hi, rec_lo, rec_hi: the four filters as float64 NumPy arrays.
+      dec_lo: the decomposition low-pass filter (float64 NumPy array).
+      dec_hi: the decomposition high-pass filter.
+      rec_lo: the reconstruction low-pass filter.
+      rec_hi: the reconstruction high-pass filter.
       length: the number of taps F.
     """
 

@@ -2,7 +2,7 @@
 
 Nothing is allocated. The train step ``params, state, batch -> params, state,
 loss`` (gradient, ``optimizer.update``, ``optax.apply_updates``; params and
-state donated) is jitted on `jax.ShapeDtypeStruct`s that carry their
+state donated) is jitted on `jax.ShapeDtypeStruct` instances that carry their
 shardings, lowered and compiled ahead of time (on simulated CPU devices when
 the mesh is bigger than the machine), and XLA's own analyses are read:
 
@@ -118,7 +118,7 @@ class StepPlan(NamedTuple):
 
 
 def shard_bytes(tree: Any) -> int:
-    """Bytes one device holds of a pytree of `ShapeDtypeStruct`s (their ``sharding``'s shard shape)."""
+    """Bytes one device holds of a pytree of `jax.ShapeDtypeStruct` instances (their ``sharding``'s shard shape)."""
 
     def one(x):
         shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
@@ -138,7 +138,7 @@ def _shardings(tree: Any) -> Any:
 
 
 def abstract_state(optimizer: optax.GradientTransformation, params: Any) -> Any:
-    """``optimizer.init(params)`` as `ShapeDtypeStruct`s, sharded like their params (`state_shardings`)."""
+    """``optimizer.init(params)`` as `jax.ShapeDtypeStruct` instances, sharded like their params (`state_shardings`)."""
     state = jax.eval_shape(optimizer.init, params)
     if all(s is None for s in jax.tree.leaves(_shardings(params), is_leaf=lambda s: s is None)):
         return state
@@ -275,8 +275,8 @@ def plan_step(
     Args:
       loss_fn: ``(params, batch) -> scalar``, any model.
       optimizer: any Optax transformation.
-      params: abstract params (`jax.ShapeDtypeStruct`s, with shardings on a mesh).
-      batch_at: ``b -> `` the abstract batch of micro-batch `b` per device.
+      params: abstract params (`jax.ShapeDtypeStruct` instances, with shardings on a mesh).
+      batch_at: a function of ``b`` that gives the abstract batch of micro-batch ``b`` per device.
       budget: bytes per device.
       grad_cost: ``b -> Cost`` of the loss's gradient at micro-batch `b`;
         the step's cost is then that plus the update's. Default: the compiled

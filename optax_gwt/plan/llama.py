@@ -94,7 +94,7 @@ def _modules(cfg: LlamaConfig) -> tuple:
 
 
 def abstract_params(cfg: LlamaConfig, dtype: str = "float32") -> dict:
-    """The params as `ShapeDtypeStruct`s: ``{"model": ..., "layers": (L, ...) stacked}``."""
+    """The params as `jax.ShapeDtypeStruct` instances: ``{"model": ..., "layers": (L, ...) stacked}``."""
     (_, top), (_, block) = _modules(cfg)
     as_dtype = lambda x, lead=(): jax.ShapeDtypeStruct(lead + x.shape, jnp.dtype(dtype))  # noqa: E731
     layers = jax.tree.map(lambda x: as_dtype(x, (cfg.num_layers,)), block)
@@ -104,7 +104,9 @@ def abstract_params(cfg: LlamaConfig, dtype: str = "float32") -> dict:
 def loss_fn(
     cfg: LlamaConfig, precision: Precision = Precision(), unroll: bool = False, mesh: Mesh | None = None
 ) -> Callable:
-    """``(params, tokens (B, T + 1)) -> `` mean next-token cross-entropy, the layers scanned.
+    """A function ``(params, tokens) -> loss``: mean next-token cross-entropy, the layers scanned.
+
+    ``tokens`` has shape ``(B, T + 1)``.
 
     `unroll` unrolls the scan (for `grad_cost`: XLA's cost analysis counts a
     loop's body once). On a `mesh`, the activations between layers are
@@ -175,14 +177,17 @@ def param_shardings(params: Any, mesh: Mesh) -> Any:
 
 
 def sharded(params: Any, mesh: Mesh) -> Any:
-    """`params` as `ShapeDtypeStruct`s that carry their `param_shardings`."""
+    """`params` as `jax.ShapeDtypeStruct` instances that carry their `param_shardings`."""
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, param_shardings(params, mesh)
     )
 
 
 def batch_at(mesh: Mesh, seq_len: int) -> Callable[[int], jax.ShapeDtypeStruct]:
-    """``b -> `` the token batch ``(b * data * fsdp, seq_len + 1)`` int32, split over ``data`` and ``fsdp``."""
+    """A function of ``b``: the int32 token batch ``(b * data * fsdp, seq_len + 1)``.
+
+    The batch is split over the mesh axes ``data`` and ``fsdp``.
+    """
     sharding = NamedSharding(mesh, P(BATCH_AXES))
     per_step = mesh.shape["data"] * mesh.shape["fsdp"]
     return lambda b: jax.ShapeDtypeStruct((b * per_step, seq_len + 1), jnp.int32, sharding=sharding)
@@ -230,7 +235,7 @@ def make_optimizer(name: str, cfg: LlamaConfig, state_dtype: str = "float32") ->
 
 
 def grad_cost(cfg: LlamaConfig, precision: Precision, mesh: Mesh, seq_len: int) -> Callable[[int], plan_lib.Cost]:
-    """``b -> `` the `plan.Cost` of the loss's gradient with all layers at micro-batch `b`.
+    """A function of ``b``: the `plan.Cost` of the loss's gradient with all layers at micro-batch ``b``.
 
     From four small compiles: unrolled 1- and 2-layer copies at micro-batch 1
     and 2, extrapolated linearly in depth and in batch (`plan.linear_extrapolation`;
