@@ -113,6 +113,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--out", default="results/plan/check")
     args = p.parse_args(argv)
+    from optax_gwt import _extras
+
+    _extras.check("plan", "python -m benchmarks.plan_check", "flax")  # before any case's subprocess
     if args.one:
         print(json.dumps(measure(*args.one, args.batch, args.seq_len)))
         return
@@ -126,4 +129,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from optax_gwt import _extras
+
+    with _extras.exit_on_missing():
+        main()

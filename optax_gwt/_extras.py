@@ -17,7 +17,7 @@ import contextlib
 import importlib.util
 from collections.abc import Iterator
 
-__all__ = ["PACKAGES", "MissingExtraError", "check", "exit_on_missing", "message", "requires"]
+__all__ = ["PACKAGES", "MissingExtraError", "check", "entry_point", "exit_on_missing", "message", "requires"]
 
 #: The optional packages' import names and the names the message gives them.
 PACKAGES = {"flax": "Flax", "matplotlib": "Matplotlib", "orbax": "Orbax", "datasets": "Datasets", "tqdm": "tqdm"}
@@ -82,3 +82,21 @@ def exit_on_missing() -> Iterator[None]:
         yield
     except MissingExtraError as e:
         raise SystemExit(str(e)) from None
+
+
+@contextlib.contextmanager
+def entry_point(module: str, extra: str, feature: str) -> Iterator[None]:
+    """The optional imports of a command-line module: `requires`, and one line on exit when run.
+
+    Pass the module's ``__name__``: run as the program (``"__main__"``, as by
+    ``python -m``), a missing optional package exits with the one line that
+    names `extra` (status 1); imported, it raises `MissingExtraError`.
+
+    """
+    try:
+        with requires(extra, feature):
+            yield
+    except MissingExtraError as e:
+        if module == "__main__":
+            raise SystemExit(str(e)) from None
+        raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -110,3 +111,36 @@ def test_planner_cli_without_flax_prints_one_line(tmp_path):
     out = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert out.returncode == 1, out
     assert out.stdout == "" and out.stderr == 'optax_gwt.plan needs Flax: pip install "optax-gwt[plan]"\n'
+
+
+HIDE = """
+import runpy, sys
+hidden, module = sys.argv[1], sys.argv[2]
+class Hide:  # as if the package were not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == hidden:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Hide())
+sys.argv = [module, *sys.argv[3:]]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+# (module, its arguments, the package hidden, the name its message gives it)
+CLIS = [
+    ("examples.llama.train", ["--steps", "1"], "flax", "Flax"),
+    ("examples.llama.train", ["--steps", "1"], "tqdm", "tqdm"),
+    ("examples.llama.sweep", ["--config", "examples/llama/studies/smoke.toml", "--report"], "matplotlib", "Matplotlib"),
+    ("examples.llama.compare", ["--steps", "1"], "flax", "Flax"),
+    ("benchmarks.plan_check", [], "flax", "Flax"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module, args, hidden, name", CLIS, ids=[f"{c[0]}-without-{c[2]}" for c in CLIS])
+def test_example_cli_without_its_extra_prints_one_line(module, args, hidden, name):
+    """Each entry point of the example and the benchmarks, a package of its extra hidden: one line, status 1."""
+    run = [sys.executable, "-c", HIDE, hidden, module, *args]
+    out = subprocess.run(run, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 1, out
+    assert out.stdout == "", out
+    assert re.fullmatch(rf'\S+( \S+)* needs {name}: pip install "optax-gwt\[(examples|plan)\]"\n', out.stderr), out

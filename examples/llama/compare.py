@@ -28,7 +28,10 @@ import sys
 import time
 from collections.abc import Sequence
 
-from examples.llama import rundir, train
+from optax_gwt import _extras
+
+with _extras.entry_point(__name__, "examples", "python -m examples.llama.compare"):
+    from examples.llama import rundir, train
 
 #: Each run: a name -> the `train` arguments that make it.
 RUNS = {

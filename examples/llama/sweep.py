@@ -57,7 +57,10 @@ from typing import Any
 
 import numpy as np
 
-from examples.llama import rundir
+from optax_gwt import _extras
+
+with _extras.entry_point(__name__, "examples", "python -m examples.llama.sweep"):
+    from examples.llama import rundir
 
 __all__ = [
     "best_settings",
@@ -622,4 +625,5 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with _extras.exit_on_missing(), _extras.requires("examples", "python -m examples.llama.sweep"):
+        sys.exit(main())

@@ -35,15 +35,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
-from tqdm.auto import tqdm
 
 import optax_gwt
-from examples.llama import data as data_lib, diagnostics as diagnostics_lib, mesh as mesh_lib, rundir
-from examples.llama.checkpoint import Checkpointer, run_metadata
-from optax_gwt import modular
-from optax_gwt.models import llama as model_lib
+from optax_gwt import _extras, modular
 from optax_gwt.sharding import state_shardings
+
+with _extras.entry_point(__name__, "examples", "python -m examples.llama.train"):
+    from flax import nnx
+    from tqdm.auto import tqdm
+
+    from examples.llama import data as data_lib, diagnostics as diagnostics_lib, mesh as mesh_lib, rundir
+    from examples.llama.checkpoint import Checkpointer, run_metadata
+    from optax_gwt.models import llama as model_lib
 
 __all__ = [
     "HelpFormatter",
