@@ -256,9 +256,11 @@ def scale_by_reference_adam(
 
     def step(updates, state, haar_signals):
         count = jnp.asarray(optax.safe_increment(state.count))
-        signals = haar_signals if haar_signals is not None else jax.tree.map(lambda _: None, updates)
-        new = jax.tree.map(moments, updates, state.mu, state.nu, signals, is_leaf=lambda x: x is None)
-        mu, nu, sq_norms = (jax.tree.map(lambda _, x, i=i: x[i], updates, new) for i in range(3))
+        leaves, treedef = jax.tree_util.tree_flatten(updates)  # None (an absent bias) is no leaf
+        signals = [None] * len(leaves) if haar_signals is None else treedef.flatten_up_to(haar_signals)
+        mus, nus = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
+        new = [moments(*leaf) for leaf in zip(leaves, mus, nus, signals, strict=True)]
+        mu, nu, sq_norms = (treedef.unflatten([x[i] for x in new]) for i in range(3))
         factor: float | jax.Array = 1.0
         if bias_correction:
             t = count.astype(_scalar_dtype(updates))

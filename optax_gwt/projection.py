@@ -98,8 +98,10 @@ class WaveletProjection:
         (default 0: the input axis of a Flax kernel, ``(in, out)``, which is
         the axis the authors transform in PyTorch's ``(out, in)`` layout, and on
         CPU the fast one since a block is made of whole rows). Or a pytree
-        (prefix) of ints / None matching the params, or a callable
+        (prefix) of ints / None matching the params, or a function
         ``(path, array) -> int | None``; None leaves the array untransformed.
+        A callable pytree with children (an Equinox module) is a prefix tree,
+        not a function.
       mask: optional pytree of bools (or callable params -> pytree) choosing the
         arrays that may be transformed, on top of `axis`.
       min_dim_size: arrays shorter than this along the axis are left to the base
@@ -180,15 +182,21 @@ class WaveletProjection:
     def _axes(self, tree, leaves_with_path, treedef) -> list:
         if self.axis is None or isinstance(self.axis, (int, np.integer)):
             return [None if self.axis is None or getattr(x, "ndim", 0) < 2 else self.axis for _, x in leaves_with_path]
-        if callable(self.axis):
+        if _is_function(self.axis):
             return [self.axis(p, x) for p, x in leaves_with_path]
         return _broadcast_prefix(self.axis, tree, treedef, "axis")
 
     def _mask(self, tree, treedef) -> list:
         if self.mask is None:
             return [True] * treedef.num_leaves
-        mask = self.mask(tree) if callable(self.mask) else self.mask
+        mask = self.mask(tree) if _is_function(self.mask) else self.mask
         return [bool(m) for m in _broadcast_prefix(mask, tree, treedef, "mask")]
+
+
+def _is_function(x: Any) -> bool:
+    """A callable that is not a pytree with children: an Equinox module is callable, but as
+    an `axis` or `mask` it is a prefix tree of the params, not the function."""
+    return callable(x) and jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
 
 
 def _level_fits(n: int, level: int, wavelet: str, mode: str) -> bool:

@@ -1,0 +1,87 @@
+"""GWT on the pytrees of other JAX libraries: an Equinox-style model (a callable pytree root
+with ``None`` leaves), against the same computation on a plain dict."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_gwt
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Model:
+    """Like an Equinox module: a dataclass pytree that is callable, with an absent bias (None)."""
+
+    w: jax.Array
+    v: jax.Array
+    b: jax.Array | None = None
+
+    def __call__(self, x):
+        return x @ self.w @ self.v
+
+
+def _model(seed=0):
+    rng = np.random.default_rng(seed)
+    return Model(w=jnp.asarray(rng.standard_normal((16, 8)), jnp.float32), v=jnp.asarray(rng.standard_normal((8, 4))))
+
+
+def _as_dict(m: Model) -> dict:
+    return {"w": m.w, "v": m.v}
+
+
+def _steps(tx, params, grads_of, n=3):
+    state, out = tx.init(params), []
+    for i in range(n):
+        u, state = jax.jit(tx.update)(grads_of(i), state, params)
+        params = optax.apply_updates(params, u)
+        out.append(params)
+    return out
+
+
+def _grads(i, like):
+    rng = np.random.default_rng(10 + i)
+    return Model(w=jnp.asarray(rng.standard_normal(like.w.shape)), v=jnp.asarray(rng.standard_normal(like.v.shape)))
+
+
+@pytest.mark.parametrize("builder", [optax_gwt.gwt_adamw, optax_gwt.foam_adamw], ids=["gwt", "foam"])
+def test_none_leaves_and_a_callable_root(builder):
+    """A model with a None bias: the same steps as on a dict of its arrays. The axis and the
+    wavelet mask are prefix trees rooted at the (callable) model, not functions."""
+    model = _model()
+    axis = Model(w=1, v=0, b=None)
+    mask = Model(w=True, v=False, b=None)
+    kw = dict(level=1, axis=axis, wavelet_mask=mask)
+    got = _steps(builder(1e-2, **kw), model, lambda i: _grads(i, model))
+    want = _steps(
+        builder(1e-2, level=1, axis={"w": 1, "v": 0}, wavelet_mask={"w": True, "v": False}),
+        _as_dict(model),
+        lambda i: _as_dict(_grads(i, model)),
+    )
+    for g, w in zip(got, want, strict=True):
+        assert g.b is None
+        np.testing.assert_array_equal(np.asarray(g.w), np.asarray(w["w"]))
+        np.testing.assert_array_equal(np.asarray(g.v), np.asarray(w["v"]))
+    state = builder(1e-2, **kw).init(model)
+    inner = state[0][1].inner_state
+    assert inner.mu.w.shape == (16, 4)  # transformed along axis 1
+    assert inner.mu.v.shape == (8, 4)  # masked out: plain Adam
+    assert inner.mu.b is None
+
+
+def test_a_function_is_still_called():
+    calls = []
+
+    def axis(path, x):
+        calls.append(jax.tree_util.keystr(path))
+        return 0 if x.ndim >= 2 else None
+
+    tx = optax_gwt.gwt_adamw(1e-2, level=1, axis=axis)
+    tx.init(_model())
+    assert calls and all(c in (".w", ".v") for c in calls)
