@@ -256,7 +256,8 @@ def scale_by_reference_adam(
 
     def step(updates, state, haar_signals):
         count = jnp.asarray(optax.safe_increment(state.count))
-        leaves, treedef = jax.tree_util.tree_flatten(updates)  # None (an absent bias) is no leaf
+        leaves, treedef_ = jax.tree_util.tree_flatten(updates)  # None (an absent bias) is no leaf
+        treedef: Any = treedef_  # Any: jaxlib ships no stubs for PyTreeDef
         signals = [None] * len(leaves) if haar_signals is None else treedef.flatten_up_to(haar_signals)
         mus, nus = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
         new = [moments(*leaf) for leaf in zip(leaves, mus, nus, signals, strict=True)]
