@@ -35,6 +35,7 @@ from optax_gwt.projection import (
     AdamTerms,
     WaveletCoefficients,
     WaveletProjection,
+    _is_array_like,
     compute_dtype,
     inverse_leaf,
     is_coefficients,
@@ -366,7 +367,12 @@ def limit_norm_growth(gamma: float = 1.01) -> optax.GradientTransformation:
     """
 
     def init_fn(params):
-        norm_prev = jax.tree.map(lambda p: sharding_lib.zeros_following(p, (), _scalar_dtype(p)), params)
+        def scalar(p):
+            # One plain scalar per array, also where the array is wrapped in a container
+            # pytree (a haliax NamedArray): never the container around a scalar.
+            return sharding_lib.zeros_following(jax.tree_util.tree_leaves(p)[0], (), _scalar_dtype(p))
+
+        norm_prev = jax.tree.map(scalar, params, is_leaf=_is_array_like)
         scale = jax.tree.map(jnp.ones_like, norm_prev)
         return LimitNormGrowthState(jnp.zeros([], jnp.int32), norm_prev, scale)
 
@@ -380,8 +386,11 @@ def limit_norm_growth(gamma: float = 1.01) -> optax.GradientTransformation:
                 "limit_norm_growth",
                 f"{leaves[k].spec.path} has not been through on_approximation, or was limited twice",
             )
-        r_prev = treedef.flatten_up_to(state.norm_prev)
-        out, new_prev, new_scale = list(leaves), list(r_prev), treedef.flatten_up_to(state.scale)
+        prev_leaves, prev_def = jax.tree_util.tree_flatten(state.norm_prev)
+        prev_treedef: Any = prev_def  # Any: jaxlib ships no stubs for PyTreeDef
+        owner = _scalar_owners(updates, state.norm_prev)
+        r_prev = [prev_leaves[owner[k]] for k in range(len(leaves))]
+        out, new_prev, new_scale = list(leaves), list(prev_leaves), jax.tree_util.tree_leaves(state.scale)
         if index:
             dt = _scalar_dtype([r_prev[k] for k in index])
             # ||approx / step_scale|| of every array as one vector: one op, not one per array.
@@ -400,14 +409,36 @@ def limit_norm_growth(gamma: float = 1.01) -> optax.GradientTransformation:
                 out[k] = leaves[k].replace(
                     approx=leaves[k].approx / lam[j].astype(leaves[k].approx.dtype), limit=lam[j]
                 )
-                new_prev[k] = (r[j] / lam[j]).astype(r_prev[k].dtype)
-                new_scale[k] = lam[j].astype(new_scale[k].dtype)
+                new_prev[owner[k]] = (r[j] / lam[j]).astype(r_prev[k].dtype)
+                new_scale[owner[k]] = lam[j].astype(new_scale[owner[k]].dtype)
         new_state = LimitNormGrowthState(
-            jnp.asarray(optax.safe_increment(state.count)), treedef.unflatten(new_prev), treedef.unflatten(new_scale)
+            jnp.asarray(optax.safe_increment(state.count)),
+            prev_treedef.unflatten(new_prev),
+            prev_treedef.unflatten(new_scale),
         )
         return treedef.unflatten(out), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _scalar_owners(updates: Any, scalars: Any) -> list[int]:
+    """Per leaf of `updates`, the index of its scalar in `scalars` (the limiter's state): the
+    scalar whose path is the longest prefix of the leaf's (equal for plain pytrees; the
+    container's path for an array wrapped in a container pytree)."""
+    leaf_paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(updates, is_leaf=is_coefficients)[0]]
+    scalar_paths = [tuple(p) for p, _ in jax.tree_util.tree_flatten_with_path(scalars)[0]]
+    where = {p: i for i, p in enumerate(scalar_paths)}
+    owners = []
+    for path in leaf_paths:
+        prefixes = [tuple(path[:n]) for n in range(len(path), -1, -1)]
+        found = next((where[p] for p in prefixes if p in where), None)
+        if found is None or found in owners:
+            raise ValueError(
+                f"limit_norm_growth: {jax.tree_util.keystr(tuple(path))} has no scalar of its own in the state "
+                "(initialised for another params tree, or a container holding several arrays)"
+            )
+        owners.append(found)
+    return owners
 
 
 # ---------------------------------------------------------------------------

@@ -85,3 +85,45 @@ def test_a_function_is_still_called():
     tx = optax_gwt.gwt_adamw(1e-2, level=1, axis=axis)
     tx.init(_model())
     assert calls and all(c in (".w", ".v") for c in calls)
+
+
+@jax.tree_util.register_pytree_node_class
+class Named:
+    """A container pytree that wraps one array with axis names, like haliax's NamedArray."""
+
+    def __init__(self, array, axes):
+        self.array, self.axes = array, axes
+
+    @property
+    def shape(self):
+        return dict(zip(self.axes, self.array.shape, strict=True))
+
+    @property
+    def dtype(self):
+        return self.array.dtype
+
+    def tree_flatten(self):
+        return (self.array,), self.axes
+
+    @classmethod
+    def tree_unflatten(cls, axes, children):
+        return cls(children[0], axes)
+
+
+def test_limiter_scalars_are_plain_arrays_for_wrapped_params():
+    """Params wrapped in a container: the limiter's per-array scalars are plain rank-0 arrays
+    (not the container around a scalar), and the steps are those of the unwrapped arrays."""
+    model = _model()
+    wrapped = {"w": Named(model.w, ("embed", "mlp")), "v": Named(model.v, ("mlp", "out"))}
+    tx = optax_gwt.gwt_adamw(1e-2, level=1)
+    limiter = tx.init(wrapped)[0][2]
+    for tree in (limiter.norm_prev, limiter.scale):
+        assert all(
+            type(x) is not Named for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, Named))
+        )
+        assert [jnp.shape(x) for x in jax.tree_util.tree_leaves(tree)] == [(), ()]
+    got = _steps(tx, wrapped, lambda i: {k: Named(g, wrapped[k].axes) for k, g in _as_dict(_grads(i, model)).items()})
+    want = _steps(tx, _as_dict(model), lambda i: _as_dict(_grads(i, model)))
+    for g, w in zip(got, want, strict=True):
+        for k in w:
+            np.testing.assert_array_equal(np.asarray(g[k].array), np.asarray(w[k]))
