@@ -23,7 +23,7 @@ from typing import Any
 
 import optax
 
-from optax_gwt.projection import AxisSpec, MaskSpec
+from optax_gwt.projection import AxisSpec, BatchSpec, MaskSpec
 from optax_gwt.transform import STATIC_ARGS, gwt_adamw, scale_by_gwt
 
 __all__ = ["FOAM_STATIC_ARGS", "scale_by_foam", "foam_adamw"]
@@ -43,6 +43,7 @@ def scale_by_foam(
     eps: float = 1e-8,
     norm_growth_limit: float | None = None,
     axis: AxisSpec = 0,
+    batch_axes: BatchSpec = 0,
     mask: MaskSpec = None,
     min_dim_size: int | None = None,
     mu_dtype: Any | None = None,
@@ -73,7 +74,7 @@ def scale_by_foam(
       b1, b2, eps: Adam's constants (eps is added to ``sqrt(v + ...)`` in the
         gradient's units, as FOAM's).
       norm_growth_limit: None (FOAM) or gamma of GWT's limiter.
-      axis, mask, min_dim_size: see `WaveletProjection` (axis 0 of a Flax
+      axis, batch_axes, mask, min_dim_size: see `WaveletProjection` (axis 0 of a Flax
         kernel is the last axis of the PyTorch weight, FOAM's fold axis).
       mu_dtype, nu_dtype: the moments' dtypes.
 
@@ -106,6 +107,7 @@ def scale_by_foam(
         second_moment="energy",
         residual_scale=residual_scale,
         axis=axis,
+        batch_axes=batch_axes,
         mask=mask,
         min_dim_size=min_dim_size,
         mu_dtype=mu_dtype,
@@ -126,6 +128,7 @@ def foam_adamw(
     residual_scale: float = 1.0,
     norm_growth_limit: float | None = None,
     axis: AxisSpec = 0,
+    batch_axes: BatchSpec = 0,
     wavelet_mask: MaskSpec = None,
     min_dim_size: int | None = None,
     mu_dtype: Any | None = None,
@@ -145,7 +148,7 @@ def foam_adamw(
       learning_rate: a float or an Optax schedule.
       b1, b2, eps, weight_decay, mask: as `gwt_adamw`'s.
       level, scale, residual_scale, norm_growth_limit: see `scale_by_foam`.
-      axis, min_dim_size, mu_dtype, nu_dtype: see `scale_by_foam`.
+      axis, batch_axes, min_dim_size, mu_dtype, nu_dtype: see `scale_by_foam`.
       wavelet_mask: which params may be folded (`scale_by_foam`'s mask).
 
     Example:
@@ -172,6 +175,7 @@ def foam_adamw(
         second_moment="energy",
         residual_scale=residual_scale,
         axis=axis,
+        batch_axes=batch_axes,
         wavelet_mask=wavelet_mask,
         min_dim_size=min_dim_size,
         mu_dtype=mu_dtype,

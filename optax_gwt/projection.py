@@ -25,6 +25,7 @@ from optax_gwt import haar, sharding as sharding_lib, wavelets
 __all__ = ["LeafSpec", "WaveletProjection", "WaveletCoefficients", "AdamTerms", "project_leaf", "inverse_leaf"]
 
 AxisSpec = None | int | Callable[[tuple, jax.Array], int | None] | Any
+BatchSpec = int | Callable[[tuple, jax.Array], int] | Any
 MaskSpec = None | Any | Callable[[Any], Any]
 
 
@@ -45,6 +46,7 @@ class LeafSpec:
       level: the DWT's number of levels.
       wavelet: the DWT's wavelet (PyWavelets' name).
       mode: the DWT's boundary mode.
+      batch_axes: how many leading axes are a batch of matrices (`WaveletProjection`).
 
     Example:
       >>> import jax.numpy as jnp, optax_gwt
@@ -60,6 +62,7 @@ class LeafSpec:
     level: int
     wavelet: str
     mode: str
+    batch_axes: int = 0
 
     @property
     def length(self) -> int:
@@ -73,6 +76,11 @@ class LeafSpec:
     def closed_form(self) -> bool:
         """Haar with no boundary effect: the block formula is exact."""
         return self.wavelet == "haar" and (self.mode == "zero" or self.length % self.block == 0)
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        """The batch axes' shape: one norm-growth limiter scalar per matrix."""
+        return self.shape[: self.batch_axes]
 
     @property
     def approx_shape(self) -> tuple[int, ...]:
@@ -104,6 +112,14 @@ class WaveletProjection:
         not a function.
       mask: optional pytree of bools (or callable params -> pytree) choosing the
         arrays that may be transformed, on top of `axis`.
+      batch_axes: how many leading axes of an array are a batch of matrices
+        (stacked, scanned layers: ``(layers, in, out)`` has 1): an int for
+        every array, a pytree prefix of ints, or a function ``(path, array) ->
+        int``. An int `axis` then counts among each matrix's own axes (axis 0
+        of ``(layers, in, out)`` is ``in``), an array is selected when it has
+        two axes besides its batch axes, and the norm-growth limiter (and the
+        ``"norm_ratio"`` rule) take one norm per matrix, as the authors do
+        for separate matrices. Default 0.
       min_dim_size: arrays shorter than this along the axis are left to the base
         optimizer at full size. None (default): every selected array is
         transformed, and an axis too short for `level` is an error (too short:
@@ -123,6 +139,7 @@ class WaveletProjection:
     axis: AxisSpec = 0
     mask: MaskSpec = None
     min_dim_size: int | None = None
+    batch_axes: BatchSpec = 0
 
     def __post_init__(self):
         if isinstance(self.level, bool) or not isinstance(self.level, (int, np.integer)):
@@ -141,50 +158,75 @@ class WaveletProjection:
         """Per leaf of `tree` (flattened order), its `LeafSpec` or None; and the treedef.
 
         Raises:
-          ValueError / TypeError naming the leaf's path for an axis out of range,
-          a level too deep for the axis, or a dtype that cannot be optimized.
+          ValueError / TypeError naming the leaf's path for an axis out of range
+          (or among the batch axes), a level too deep for the axis, or a dtype
+          that cannot be optimized.
         """
         leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        axes = self._axes(tree, leaves_with_path, treedef)
+        batches = [
+            0 if b is None else b
+            for b in self._per_leaf(self.batch_axes, tree, leaves_with_path, treedef, "batch_axes")
+        ]
+        axes = self._axes(tree, leaves_with_path, treedef, batches)
         selected = self._mask(tree, treedef)
-        specs: list[LeafSpec | None] = []
-        for (path, leaf), axis, sel in zip(leaves_with_path, axes, selected, strict=True):
-            name = jax.tree_util.keystr(path)
-            if not _is_array_like(leaf):
-                raise TypeError(f"{name}: expected an array, got {type(leaf).__name__}")
-            dtype = jnp.dtype(leaf.dtype)
-            if not jnp.issubdtype(dtype, jnp.inexact):
-                raise TypeError(f"{name}: GWT optimizes floating-point arrays only, got dtype {dtype}")
-            if axis is None or not sel or leaf.ndim == 0:
-                specs.append(None)
-                continue
-            if jnp.issubdtype(dtype, jnp.complexfloating):
-                raise TypeError(f"{name}: complex arrays cannot be wavelet-transformed (dtype {dtype})")
-            if not isinstance(axis, (int, np.integer)) or not -leaf.ndim <= axis < leaf.ndim:
-                raise ValueError(f"{name}: transform axis {axis!r} is out of range for shape {tuple(leaf.shape)}")
-            axis = int(axis) % leaf.ndim
-            n = int(leaf.shape[axis])
-            if self.min_dim_size is not None and n < self.min_dim_size:
-                specs.append(None)
-                continue
-            if not _level_fits(n, self.level, self.wavelet, self.mode):
-                deepest = max(
-                    [lv for lv in range(1, self.level) if _level_fits(n, lv, self.wavelet, self.mode)], default=0
-                )
-                raise ValueError(
-                    f"{name}: level {self.level} is too deep for length {n} along axis {axis} with "
-                    f"wavelet {self.wavelet!r} (at most {deepest}); lower the level, or leave such "
-                    "arrays to the base optimizer with min_dim_size, mask or axis."
-                )
-            specs.append(LeafSpec(name, tuple(leaf.shape), dtype.name, axis, self.level, self.wavelet, self.mode))
+        specs = [
+            self._leaf_spec(jax.tree_util.keystr(path), leaf, axis if sel else None, batch)
+            for (path, leaf), axis, sel, batch in zip(leaves_with_path, axes, selected, batches, strict=True)
+        ]
         return specs, treedef
 
-    def _axes(self, tree, leaves_with_path, treedef) -> list:
+    def _leaf_spec(self, name: str, leaf: Any, axis: Any, batch: Any) -> LeafSpec | None:
+        """One leaf's `LeafSpec` (None: not transformed), or the error that names it."""
+        if not _is_array_like(leaf):
+            raise TypeError(f"{name}: expected an array, got {type(leaf).__name__}")
+        dtype = jnp.dtype(leaf.dtype)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            raise TypeError(f"{name}: GWT optimizes floating-point arrays only, got dtype {dtype}")
+        if axis is None or leaf.ndim == 0:
+            return None
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            raise TypeError(f"{name}: complex arrays cannot be wavelet-transformed (dtype {dtype})")
+        if not isinstance(axis, (int, np.integer)) or not -leaf.ndim <= axis < leaf.ndim:
+            raise ValueError(f"{name}: transform axis {axis!r} is out of range for shape {tuple(leaf.shape)}")
+        axis = int(axis) % leaf.ndim
+        if not isinstance(batch, (int, np.integer)) or not 0 <= batch < leaf.ndim or axis < batch:
+            raise ValueError(
+                f"{name}: batch_axes {batch!r} must be an int that leaves the transform axis {axis} "
+                f"among the matrix's own axes (shape {tuple(leaf.shape)})"
+            )
+        n = int(leaf.shape[axis])
+        if self.min_dim_size is not None and n < self.min_dim_size:
+            return None
+        if not _level_fits(n, self.level, self.wavelet, self.mode):
+            deepest = max([lv for lv in range(1, self.level) if _level_fits(n, lv, self.wavelet, self.mode)], default=0)
+            raise ValueError(
+                f"{name}: level {self.level} is too deep for length {n} along axis {axis} with "
+                f"wavelet {self.wavelet!r} (at most {deepest}); lower the level, or leave such "
+                "arrays to the base optimizer with min_dim_size, mask or axis."
+            )
+        spec = (name, tuple(leaf.shape), dtype.name, axis, self.level, self.wavelet, self.mode)
+        return LeafSpec(*spec, batch_axes=int(batch))
+
+    def _per_leaf(self, value, tree, leaves_with_path, treedef, what: str) -> list:
+        """`value` for each leaf: itself (None or an int), a function's answer, or a prefix tree's entry."""
+        if value is None or isinstance(value, (int, np.integer)):
+            return [value] * len(leaves_with_path)
+        if _is_function(value):
+            return [value(p, x) for p, x in leaves_with_path]
+        return _broadcast_prefix(value, tree, treedef, what)
+
+    def _axes(self, tree, leaves_with_path, treedef, batches: list) -> list:
+        """The absolute transform axis of each leaf (an int `axis` counts among a matrix's own axes)."""
         if self.axis is None or isinstance(self.axis, (int, np.integer)):
-            return [None if self.axis is None or getattr(x, "ndim", 0) < 2 else self.axis for _, x in leaves_with_path]
-        if _is_function(self.axis):
-            return [self.axis(p, x) for p, x in leaves_with_path]
-        return _broadcast_prefix(self.axis, tree, treedef, "axis")
+            return [
+                None
+                if self.axis is None or getattr(x, "ndim", 0) < 2 + (b or 0)
+                else (b or 0) + self.axis
+                if self.axis >= 0
+                else self.axis
+                for (_, x), b in zip(leaves_with_path, batches, strict=True)
+            ]
+        return self._per_leaf(self.axis, tree, leaves_with_path, treedef, "axis")
 
     def _mask(self, tree, treedef) -> list:
         if self.mask is None:
@@ -331,8 +373,8 @@ def inverse_leaf(node: WaveletCoefficients, weight: jax.Array | None, clip: floa
     """``waverec([node.approx, D_l * w, ..., D_1 * w])`` cut to the array's length.
 
     `weight` ``w`` is per approximation coefficient (approx's shape; repeated
-    in place twice per level to meet each level's details), a scalar, or None
-    (details dropped). With `clip`, the details' part of the result,
+    in place twice per level to meet each level's details), a scalar or one
+    value per matrix (length 1 along the axis), or None (details dropped). With `clip`, the details' part of the result,
     ``waverec([0, D_l * w, ..., D_1 * w])``, is clipped to ``[-clip, clip]``.
     Computed in the compute dtype of `node.approx`.
     """
@@ -347,7 +389,7 @@ def inverse_leaf(node: WaveletCoefficients, weight: jax.Array | None, clip: floa
     if weight is None:
         # Zeros, not None: waverec trims each level to the next details' length.
         coeffs += [jnp.zeros_like(d, dtype) for d in node.details]
-    elif jnp.ndim(weight) == 0:
+    elif _broadcasts(weight, spec.axis):
         coeffs += [d * weight.astype(dtype) for d in node.details]
     else:
         w = weight.astype(dtype)
@@ -376,4 +418,17 @@ def _haar_inverse(node: WaveletCoefficients, weight: jax.Array | None) -> jax.Ar
     assert node.signal is not None and node.grad_approx is not None
     w = weight.astype(dtype)
     offset = (node.approx - node.grad_approx * w) * s
-    return node.signal * (w if jnp.ndim(w) == 0 else repeat(w)) + repeat(offset)
+    return node.signal * (w if _broadcasts(w, spec.axis) else repeat(w)) + repeat(offset)
+
+
+def _broadcasts(weight: jax.Array, axis: int) -> bool:
+    """A weight that is one value along the transform axis (a scalar, or one per matrix of a
+    batch), not one per approximation coefficient: it multiplies without being repeated."""
+    return jnp.ndim(weight) == 0 or weight.shape[axis] == 1
+
+
+def matrix_sq_norms(x: jax.Array, batch_axes: int) -> jax.Array:
+    """Each matrix's squared norm: ``x^2`` summed over all but the first `batch_axes` axes
+    (kept, length 1: the result broadcasts against `x`), in float32 at least."""
+    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return jnp.sum(jnp.square(x), axis=tuple(range(batch_axes, x.ndim)), keepdims=True)

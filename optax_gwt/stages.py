@@ -21,6 +21,7 @@ projection.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -39,6 +40,7 @@ from optax_gwt.projection import (
     compute_dtype,
     inverse_leaf,
     is_coefficients,
+    matrix_sq_norms,
     project_leaf,
 )
 
@@ -167,7 +169,7 @@ def _check_projection(leaves: list, treedef, projection: WaveletProjection) -> N
 
 def _projection_key(spec) -> tuple | None:
     """A `LeafSpec` without its path (the path differs under optax.masked and multi_transform)."""
-    return None if spec is None else (spec.shape, spec.axis, spec.level, spec.wavelet, spec.mode)
+    return None if spec is None else (spec.shape, spec.axis, spec.level, spec.wavelet, spec.mode, spec.batch_axes)
 
 
 def _check_state(inner: optax.GradientTransformation | GWTBase, inner_in: Any, inner_state: Any) -> None:
@@ -334,7 +336,7 @@ class LimitNormGrowthState(NamedTuple):
     scale: Any
 
 
-def limit_norm_growth(gamma: float = 1.01) -> optax.GradientTransformation:
+def limit_norm_growth(gamma: float = 1.01, projection: WaveletProjection | None = None) -> optax.GradientTransformation:
     """Stage 3 of GWT: Fira's norm-growth limiter on each approximation step.
 
     For each transformed array, with ``r = ||N|| / step_scale`` (the norm of
@@ -347,6 +349,9 @@ def limit_norm_growth(gamma: float = 1.01) -> optax.GradientTransformation:
 
     Args:
       gamma: the largest growth factor per step.
+      projection: the chain's `WaveletProjection`, needed where it has batch
+        axes (stacked matrices): then ``r``, ``lam`` and ``r_prev`` are one per
+        matrix, in the array's batch shape. None: one per array.
 
     Returns:
       An `optax.GradientTransformation` with state `LimitNormGrowthState`.
@@ -367,12 +372,15 @@ def limit_norm_growth(gamma: float = 1.01) -> optax.GradientTransformation:
     """
 
     def init_fn(params):
-        def scalar(p):
-            # One plain scalar per array, also where the array is wrapped in a container
-            # pytree (a haliax NamedArray): never the container around a scalar.
-            return sharding_lib.zeros_following(jax.tree_util.tree_leaves(p)[0], (), _scalar_dtype(p))
+        batch_shapes = _batch_shapes(params, projection)
 
-        norm_prev = jax.tree.map(scalar, params, is_leaf=_is_array_like)
+        def scalar(path, p):
+            # One plain array per array (of its batch shape: one scalar per matrix), also where
+            # the array is wrapped in a container pytree (a haliax NamedArray): never the container.
+            shape = next((v for k, v in batch_shapes.items() if k[: len(path)] == tuple(path)), ())
+            return sharding_lib.zeros_following(jax.tree_util.tree_leaves(p)[0], shape, _scalar_dtype(p))
+
+        norm_prev = jax.tree_util.tree_map_with_path(scalar, params, is_leaf=_is_array_like)
         scale = jax.tree.map(jnp.ones_like, norm_prev)
         return LimitNormGrowthState(jnp.zeros([], jnp.int32), norm_prev, scale)
 
@@ -389,28 +397,16 @@ def limit_norm_growth(gamma: float = 1.01) -> optax.GradientTransformation:
         prev_leaves, prev_def = jax.tree_util.tree_flatten(state.norm_prev)
         prev_treedef: Any = prev_def  # Any: jaxlib ships no stubs for PyTreeDef
         owner = _scalar_owners(updates, state.norm_prev)
-        r_prev = [prev_leaves[owner[k]] for k in range(len(leaves))]
-        out, new_prev, new_scale = list(leaves), list(prev_leaves), jax.tree_util.tree_leaves(state.scale)
+        new_prev, new_scale = list(prev_leaves), jax.tree_util.tree_leaves(state.scale)
+        out = list(leaves)
         if index:
-            dt = _scalar_dtype([r_prev[k] for k in index])
-            # ||approx / step_scale|| of every array as one vector: one op, not one per array.
-
-            def given(x):
-                return x.sq_norm is not None
-
-            sq = jnp.stack(
-                [x.sq_norm if given(x) else jnp.sum(jnp.square(x.approx)) for x in (leaves[k] for k in index)]
-            )
-            scale = jnp.stack([jnp.ones([], dt) if given(x) else x.step_scale for x in (leaves[k] for k in index)])
-            r = jnp.sqrt(sq.astype(dt)) / scale.astype(dt)
-            prev = jnp.stack([r_prev[k].astype(dt) for k in index])
-            lam = jnp.where(state.count == 0, 1.0, jnp.maximum(r / (prev + 1e-8), gamma) / gamma).astype(dt)
-            for j, k in enumerate(index):
-                out[k] = leaves[k].replace(
-                    approx=leaves[k].approx / lam[j].astype(leaves[k].approx.dtype), limit=lam[j]
-                )
-                new_prev[owner[k]] = (r[j] / lam[j]).astype(r_prev[k].dtype)
-                new_scale[owner[k]] = lam[j].astype(new_scale[owner[k]].dtype)
+            nodes, r_prev = [leaves[k] for k in index], [prev_leaves[owner[k]] for k in index]
+            lams, rs = _limit_factors(nodes, r_prev, state.count, gamma)
+            for k, x, lam, r, prev in zip(index, nodes, lams, rs, r_prev, strict=True):
+                limit = lam if x.spec.batch_axes == 0 else lam.reshape(lam.shape + (1,) * (x.approx.ndim - lam.ndim))
+                out[k] = x.replace(approx=x.approx / limit.astype(x.approx.dtype), limit=limit)
+                new_prev[owner[k]] = (r / lam).astype(prev.dtype)
+                new_scale[owner[k]] = lam.astype(new_scale[owner[k]].dtype)
         new_state = LimitNormGrowthState(
             jnp.asarray(optax.safe_increment(state.count)),
             prev_treedef.unflatten(new_prev),
@@ -419,6 +415,46 @@ def limit_norm_growth(gamma: float = 1.01) -> optax.GradientTransformation:
         return treedef.unflatten(out), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _batch_shapes(params: Any, projection: WaveletProjection | None) -> dict[tuple, tuple]:
+    """Per path of a transformed array with batch axes, its batch shape (one limiter scalar per matrix)."""
+    if projection is None:
+        return {}
+    specs, _ = projection.leaf_specs(params)
+    paths = [tuple(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    return {p: s.batch_shape for p, s in zip(paths, specs, strict=True) if s is not None and s.batch_axes}
+
+
+def _limit_factors(nodes: list, r_prev: list, count: jax.Array, gamma: float) -> tuple[list, list]:
+    """Fira's ``lam`` and the norm ``r`` of each node's step (per matrix, in its batch shape).
+
+    All the arrays' norms are one vector (one op, not one per array): ``r = ||approx /
+    step_scale||`` per matrix, from the base's squared norm where it gave one.
+    """
+    dt = _scalar_dtype(r_prev)
+    sq, scale, prev, sizes = [], [], [], []
+    for x, p in zip(nodes, r_prev, strict=True):
+        b = x.spec.batch_axes
+        if b == 0:
+            sq.append((x.sq_norm if x.sq_norm is not None else jnp.sum(jnp.square(x.approx)))[None])
+        else:
+            sq.append(matrix_sq_norms(x.approx, b).reshape(-1))
+        _require(
+            jnp.shape(p) == x.spec.batch_shape,
+            "limit_norm_growth",
+            f"{x.spec.path} has {b} batch axes: build limit_norm_growth(gamma, projection) with the projection",
+        )
+        ones = jnp.ones(sq[-1].shape, dt)
+        scale.append(ones if b == 0 and x.sq_norm is not None else ones * x.step_scale.astype(dt))
+        prev.append(p.astype(dt).reshape(-1))
+        sizes.append(sq[-1].shape[0])
+    r = jnp.sqrt(jnp.concatenate(sq).astype(dt)) / jnp.concatenate(scale)
+    lam = jnp.where(count == 0, 1.0, jnp.maximum(r / (jnp.concatenate(prev) + 1e-8), gamma) / gamma).astype(dt)
+    bounds = list(itertools.accumulate(sizes))[:-1]
+    shapes = [x.spec.batch_shape for x in nodes]
+    split = lambda v: [part.reshape(shape) for part, shape in zip(jnp.split(v, bounds), shapes, strict=True)]  # noqa: E731
+    return split(lam), split(r)
 
 
 def _scalar_owners(updates: Any, scalars: Any) -> list[int]:
@@ -452,7 +488,9 @@ def _detail_weight(x: WaveletCoefficients, rule: str, bias_correct_details: bool
         return None
     if rule == "norm_ratio":
 
-        def norm(a):
+        def norm(a):  # per matrix where the array is a batch of them
+            if x.spec.batch_axes:
+                return jnp.sqrt(matrix_sq_norms(a, x.spec.batch_axes))
             return jnp.sqrt(jnp.sum(jnp.square(a.astype(_scalar_dtype(a)))))
 
         a_norm = norm(x.grad_approx)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_gwt.adam import GWTBase, adam_preconditioner, scale_by_reference_adam
-from optax_gwt.projection import AxisSpec, MaskSpec, WaveletProjection
+from optax_gwt.projection import AxisSpec, BatchSpec, MaskSpec, WaveletProjection
 from optax_gwt.stages import DETAIL_RULES, limit_norm_growth, on_approximation, wavelet_inverse, wavelet_project
 
 __all__ = [
@@ -31,7 +31,18 @@ __all__ = [
 #: be callables that are not schedules (dtypes such as ``jnp.bfloat16`` are
 #: callable): pass them as
 #: ``optax.inject_hyperparams(gwt_adamw, static_args=STATIC_ARGS)``.
-STATIC_ARGS = ("level", "axis", "min_dim_size", "wavelet", "mode", "mu_dtype", "nu_dtype", "mask", "wavelet_mask")
+STATIC_ARGS = (
+    "level",
+    "axis",
+    "batch_axes",
+    "min_dim_size",
+    "wavelet",
+    "mode",
+    "mu_dtype",
+    "nu_dtype",
+    "mask",
+    "wavelet_mask",
+)
 
 
 def scale_by_gwt(
@@ -51,6 +62,7 @@ def scale_by_gwt(
     second_moment: str = "approx",
     residual_scale: float = 1.0,
     axis: AxisSpec = 0,
+    batch_axes: BatchSpec = 0,
     mask: MaskSpec = None,
     min_dim_size: int | None = None,
     mu_dtype: Any | None = None,
@@ -60,9 +72,10 @@ def scale_by_gwt(
     """GWT as one transformation: the chain of its four stages.
 
     Returns ``optax.chain(wavelet_project(p), on_approximation(base, p),
-    limit_norm_growth(norm_growth_limit), wavelet_inverse(scale, detail_rule,
-    ...))`` with ``p = WaveletProjection(level, wavelet, mode, axis, mask,
-    min_dim_size)``; the limiter is left out when `norm_growth_limit` is None.
+    limit_norm_growth(norm_growth_limit, p), wavelet_inverse(scale,
+    detail_rule, ...))`` with ``p = WaveletProjection(level, wavelet, mode,
+    axis, mask, min_dim_size, batch_axes)``; the limiter is left out when
+    `norm_growth_limit` is None.
     Its state is that chain's: a tuple of the four stages' states, the base's
     (compressed) state in ``state[1].inner_state``.
 
@@ -76,7 +89,7 @@ def scale_by_gwt(
         `optax.ScaleByAdamState` (`optax.scale_by_adam`) gets the ``"adam"``
         detail rule with ``adam_preconditioner(b1, b2, eps)``: pass it the
         base's own constants.
-      level, wavelet, mode, axis, mask, min_dim_size: see `WaveletProjection`.
+      level, wavelet, mode, axis, mask, min_dim_size, batch_axes: see `WaveletProjection`.
       scale, detail_rule, bias_correct_details, detail_clip, residual_scale: see `wavelet_inverse`.
       second_moment: the built-in Adam's (`scale_by_reference_adam`):
         ``"energy"`` is FOAM's second moment.
@@ -104,7 +117,7 @@ def scale_by_gwt(
       >>> u["w"].shape, state[1].inner_state.mu["w"].shape
       ((6, 4), (3, 4))
     """
-    projection = WaveletProjection(level, wavelet, mode, axis, mask, min_dim_size)
+    projection = WaveletProjection(level, wavelet, mode, axis, mask, min_dim_size, batch_axes)
     if detail_rule not in DETAIL_RULES:
         raise ValueError(f"detail_rule must be one of {DETAIL_RULES}, got {detail_rule!r}")
     base: optax.GradientTransformation | GWTBase
@@ -121,7 +134,9 @@ def scale_by_gwt(
             raise ValueError("second_moment chooses the built-in Adam's second moment: with a given base, leave it")
         base, preconditioner = base_optimizer, adam_preconditioner(b1, b2, eps)
     stages = [wavelet_project(projection), on_approximation(base, projection, preconditioner=preconditioner)]
-    stages.append(limit_norm_growth(norm_growth_limit) if norm_growth_limit is not None else optax.identity())
+    stages.append(
+        limit_norm_growth(norm_growth_limit, projection) if norm_growth_limit is not None else optax.identity()
+    )
     stages.append(
         wavelet_inverse(
             scale,
@@ -153,6 +168,7 @@ def gwt_adamw(
     second_moment: str = "approx",
     residual_scale: float = 1.0,
     axis: AxisSpec = 0,
+    batch_axes: BatchSpec = 0,
     wavelet_mask: MaskSpec = None,
     min_dim_size: int | None = None,
     mu_dtype: Any | None = None,
@@ -176,7 +192,7 @@ def gwt_adamw(
       b1, b2, eps: Adam's constants (eps is added to the uncorrected sqrt(v)).
       weight_decay: decoupled weight decay.
       mask: which params weight decay applies to (as in `optax.adamw`).
-      level, wavelet, mode, axis, min_dim_size: see `scale_by_gwt`.
+      level, wavelet, mode, axis, batch_axes, min_dim_size: see `scale_by_gwt`.
       scale, norm_growth_limit, detail_rule, bias_correct_details: see `scale_by_gwt`.
       detail_clip, second_moment, residual_scale: see `scale_by_gwt`.
       mu_dtype, nu_dtype, cpu_kernel: see `scale_by_gwt`.
@@ -207,6 +223,7 @@ def gwt_adamw(
             second_moment=second_moment,
             residual_scale=residual_scale,
             axis=axis,
+            batch_axes=batch_axes,
             mask=wavelet_mask,
             min_dim_size=min_dim_size,
             mu_dtype=mu_dtype,

@@ -127,3 +127,50 @@ def test_limiter_scalars_are_plain_arrays_for_wrapped_params():
     for g, w in zip(got, want, strict=True):
         for k in w:
             np.testing.assert_array_equal(np.asarray(g[k].array), np.asarray(w[k]))
+
+
+@pytest.mark.usefixtures("x64")
+@pytest.mark.parametrize("detail_rule", ["adam", "norm_ratio"])
+def test_stacked_matrices_equal_the_matrices_one_by_one(detail_rule):
+    """A (layers, in, out) weight with batch_axes=1: each layer's steps are those of the same
+    matrix optimized alone (the limiter's norm per matrix, the transform along `in`), to float64
+    rounding."""
+    rng = np.random.default_rng(0)
+    layers = 3
+    stacked = {"w": jnp.asarray(rng.standard_normal((layers, 16, 6))), "b": jnp.zeros(6)}
+    grads = [
+        {"w": jnp.asarray(rng.uniform(0.2, 5.0, (layers, 1, 1)) * rng.standard_normal((layers, 16, 6))),
+         "b": jnp.asarray(rng.standard_normal(6))}
+        for _ in range(5)
+    ]  # fmt: skip
+    kw = dict(level=2, weight_decay=0.1, detail_rule=detail_rule)
+    tx = optax_gwt.gwt_adamw(1e-2, batch_axes=1, **kw)
+    got = _steps(tx, stacked, lambda i: grads[i], n=5)[-1]
+    state = tx.init(stacked)
+    assert state[0][1].inner_state.mu["w"].shape == (layers, 4, 6)
+    assert state[0][2].norm_prev["w"].shape == (layers,) and state[0][2].norm_prev["b"].shape == ()
+    for layer in range(layers):
+        alone = {"w": stacked["w"][layer], "b": stacked["b"]}
+        want = _steps(
+            optax_gwt.gwt_adamw(1e-2, **kw), alone, lambda i, j=layer: {"w": grads[i]["w"][j], "b": grads[i]["b"]}, n=5
+        )[-1]
+        # float64 rounding: XLA sums a stacked array's matrices in another order than one alone.
+        np.testing.assert_allclose(np.asarray(got["w"][layer]), np.asarray(want["w"]), rtol=1e-12, atol=1e-14)
+
+
+def test_batch_axes_errors_and_selection():
+    params = {"w": jnp.zeros((2, 8, 4)), "v": jnp.zeros((2, 8)), "b": jnp.zeros(4)}
+    specs, _ = optax_gwt.WaveletProjection(level=1, batch_axes=1).leaf_specs(params)
+    assert specs[0] is None and specs[1] is None  # "b": rank 1; "v": one axis besides its batch axis
+    assert specs[2].axis == 1 and specs[2].approx_shape == (2, 4, 4) and specs[2].batch_shape == (2,)
+    with pytest.raises(ValueError, match=r"\['w'\]: batch_axes 1 must be an int that leaves the transform axis 0"):
+        optax_gwt.WaveletProjection(level=1, axis={"w": 0, "v": None, "b": None}, batch_axes=1).leaf_specs(params)
+    proj = optax_gwt.WaveletProjection(level=1, batch_axes=1)
+    tx = optax.chain(
+        optax_gwt.wavelet_project(proj),
+        optax_gwt.on_approximation(optax_gwt.scale_by_reference_adam(), proj),
+        optax_gwt.limit_norm_growth(1.01),  # built without the projection: one scalar per array
+        optax_gwt.wavelet_inverse(),
+    )
+    with pytest.raises(ValueError, match="build limit_norm_growth"):
+        tx.update(params, tx.init(params))
