@@ -524,19 +524,22 @@ def _resolve_rule(x: WaveletCoefficients, rule: str) -> str:
     return rule
 
 
-def _residual_update(x: WaveletCoefficients, bias_correct_details: bool, residual_scale: float) -> jax.Array:
-    """FOAM's full-size update of one node (before `scale`): the residual in the moments.
+def _adam_update(x: WaveletCoefficients, bias_correct_details: bool, residual_scale: float | None) -> jax.Array:
+    """The full-size update of one Haar node (before `scale`), rebuilt from the base's moments.
 
-    With ``R = G - mean`` (the gradient minus its block means, the details in
-    Haar closed form) in the approximation's units, ``r = residual_scale *
-    sqrt(B) * R``, and ``c`` the step's factor: ``(c * mu + c_d * r) /
-    (lam * (sqrt(nu + r^2) + sqrt(B) * eps))``, ``mu`` and ``nu`` repeated in
-    place (``eps`` is in the gradient's units, as in FOAM).
+    One full-size pass (`haar.adam_update`) for both rules that read the moments:
+
+    * ``"adam"`` (`residual_scale` None): the explicit fusion of a `GWTBase` Adam's step
+      with the Haar inverse, the details divided by the denominator;
+    * ``"residual"`` (FOAM): with ``R = G - mean`` (the details in Haar closed form),
+      ``r = residual_scale * sqrt(B) * R`` in the approximation's units and ``c`` the
+      step's factor, ``(c * mu + c_d * r) / (lam * (sqrt(nu + r^2) + sqrt(B) * eps))``,
+      ``mu`` and ``nu`` repeated in place (``eps`` in the gradient's units, as FOAM's).
     """
     assert x.adam is not None and x.signal is not None and x.grad_approx is not None  # _resolve_rule
     lam = _limit(x)
-    root_block = math.sqrt(x.spec.block)
-    rho = residual_scale * root_block
+    units = 1.0 if residual_scale is None else math.sqrt(x.spec.block)
+    rho = None if residual_scale is None else residual_scale * units
     return haar.adam_update(
         x.signal,
         x.grad_approx,
@@ -544,9 +547,9 @@ def _residual_update(x: WaveletCoefficients, bias_correct_details: bool, residua
         x.adam.nu,
         axis=x.spec.axis,
         block=x.spec.block,
-        eps=x.adam.eps * root_block,
-        approx_factor=x.adam.step * root_block / lam,
-        detail_factor=_adam_detail_factor(x, bias_correct_details) * rho / lam,
+        eps=x.adam.eps * units,
+        approx_factor=x.adam.step * units / lam,
+        detail_factor=_adam_detail_factor(x, bias_correct_details) * (1.0 if rho is None else rho) / lam,
         residual=rho,
     )
 
@@ -557,27 +560,12 @@ def _inverse_node(
     """The full-size update of one node (before `scale`), in its compute dtype."""
     rule = _resolve_rule(x, rule)
     if rule == "residual":
-        return _residual_update(x, bias_correct_details, residual_scale)
-
-    fused = rule == "adam" and clip is None and x.exact and x.spec.closed_form
-    if not fused:
-        return inverse_leaf(x, _detail_weight(x, rule, bias_correct_details), clip)
-    # The explicit fusion of a `GWTBase` Adam's step with the Haar inverse: the
-    # step is rebuilt from the moments inside the full-size pass (haar.adam_update).
-    # Rule "adam" (checked by _resolve_rule) in Haar closed form, where project_leaf carries the gradient.
-    assert x.adam is not None and x.signal is not None and x.grad_approx is not None
-    lam = _limit(x)
-    return haar.adam_update(
-        x.signal,
-        x.grad_approx,
-        x.adam.mu,
-        x.adam.nu,
-        axis=x.spec.axis,
-        block=x.spec.block,
-        eps=x.adam.eps,
-        approx_factor=x.adam.step / lam,
-        detail_factor=_adam_detail_factor(x, bias_correct_details) / lam,
-    )
+        return _adam_update(x, bias_correct_details, residual_scale)
+    # A `GWTBase` Adam's step equals its moments' formula: in Haar closed form (where
+    # project_leaf carries the gradient) it is rebuilt inside the full-size pass.
+    if rule == "adam" and clip is None and x.exact and x.spec.closed_form:
+        return _adam_update(x, bias_correct_details, None)
+    return inverse_leaf(x, _detail_weight(x, rule, bias_correct_details), clip)
 
 
 def wavelet_inverse(
