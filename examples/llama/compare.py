@@ -44,8 +44,9 @@ RUNS = {
     "galore": ["--optimizer", "galore", "--level", "2"],  # rank: state <= GWT-2's
     "adafactor": ["--optimizer", "adafactor"],
     "gwt-2-lion": ["--optimizer", "gwt-lion", "--level", "2"],
+    "foam-2": ["--optimizer", "foam", "--level", "2"],
 }
-DEFAULT_RUNS = [name for name in RUNS if name != "gwt-2-lion"]
+DEFAULT_RUNS = [name for name in RUNS if name not in ("gwt-2-lion", "foam-2")]
 
 #: The default budget: the paper's 9M config on byte-level Python source,
 #: 100 steps x 16 x 128 tokens = 205K tokens per optimizer.
