@@ -50,6 +50,8 @@ napoleon_use_ivar = True  # Attributes: as fields, not entries that would double
 # Optax's type aliases as written in the signatures, not expanded into their unions.
 _OPTAX_ALIASES = ("optax.ScalarOrSchedule", "optax.Schedule", "optax.OptState", "optax.Updates", "optax.Params")
 autodoc_type_aliases = {name: name for name in _OPTAX_ALIASES}
+# The levanter extra's packages, absent from the docs environment: optax_gwt.levanter's pages are read from its source.
+autodoc_mock_imports = ["levanter", "haliax", "equinox"]
 autosummary_generate = False  # the tables link to the entries on the same page; nothing is generated
 add_module_names = True
 

@@ -20,7 +20,15 @@ from collections.abc import Iterator
 __all__ = ["PACKAGES", "MissingExtraError", "check", "entry_point", "exit_on_missing", "message", "requires"]
 
 #: The optional packages' import names and the names the message gives them.
-PACKAGES = {"flax": "Flax", "matplotlib": "Matplotlib", "orbax": "Orbax", "datasets": "Datasets", "tqdm": "tqdm"}
+PACKAGES = {
+    "flax": "Flax",
+    "matplotlib": "Matplotlib",
+    "orbax": "Orbax",
+    "datasets": "Datasets",
+    "tqdm": "tqdm",
+    "levanter": "Levanter",
+    "haliax": "Levanter",
+}
 
 
 class MissingExtraError(ImportError):

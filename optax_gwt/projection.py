@@ -90,7 +90,10 @@ class LeafSpec:
 
 
 def _is_array_like(x) -> bool:
-    return hasattr(x, "shape") and hasattr(x, "dtype")
+    try:
+        return hasattr(x, "shape") and hasattr(x, "dtype")
+    except (ValueError, TypeError):  # a container whose shape fails (a haliax NamedArray around a masked node)
+        return False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ import pytest
 
 import optax_gwt
 from markdown_blocks import DOCS, MARKER, README, REPO, block_id, blocks_of, doc_pages, marker_lines, read, run_block
+from optax_gwt import _extras
 
 PAGES = doc_pages()
 BLOCKS = blocks_of(PAGES)
@@ -61,11 +62,21 @@ FLAX = importlib.util.find_spec("flax") is not None
 
 
 def _import(name: str):
+    """The module, or a skip where its extra is not installed (the message names the extra)."""
+    module = _import_if_installed(name)
+    if module is None:
+        pytest.skip(f"{name}: its extra is not installed")
+    return module
+
+
+def _import_if_installed(name: str):
     try:
         return importlib.import_module(name)
+    except _extras.MissingExtraError:
+        return None
     except ImportError:
         if not FLAX:  # a module of the plan extra, without Flax
-            pytest.skip(f"{name} needs Flax")
+            return None
         raise
 
 
@@ -123,11 +134,15 @@ def test_every_public_submodule_and_its_names_are_in_the_api_reference():
     missing = [m for m in public_submodules() if m not in entries]
     assert not missing, f"public submodules with no automodule entry in docs/api/*.md: {missing}"
     for name in public_submodules():
-        module = _import(name)
+        module = _import_if_installed(name)  # a module of an extra not installed here is checked where it is
         for member in getattr(module, "__all__", []):
             top = member in optax_gwt.__all__ and getattr(optax_gwt, member) is getattr(module, member)
             same = [m for m in entries if m.rsplit(".", 1)[-1] == member and m.rsplit(".", 1)[0] in public_submodules()]
-            same = [m for m in same if getattr(_import(m.rsplit(".", 1)[0]), member, None) is getattr(module, member)]
+            same = [
+                m
+                for m in same
+                if getattr(_import_if_installed(m.rsplit(".", 1)[0]), member, None) is getattr(module, member)
+            ]
             if not (f"{name}.{member}" in entries or top or same):
                 missing.append(f"{name}.{member}")
     assert not missing, f"names of public submodules' __all__ with no entry in docs/api/*.md: {missing}"
@@ -293,6 +308,16 @@ _PATH = re.compile(r"(?<![\w/.-])((?:examples|benchmarks|results|optax_gwt|tests
 _MODULE = re.compile(r"python -m ((?:examples|benchmarks|optax_gwt)[\w.]*)")
 
 
+def _module_exists(name: str) -> bool:
+    """Whether ``python -m name`` names a module of this checkout or of the environment
+    (one of an extra not installed here counts by its file)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except _extras.MissingExtraError:
+        where = os.path.join(REPO, *name.split("."))
+        return os.path.exists(where + ".py") or os.path.exists(os.path.join(where, "__init__.py"))
+
+
 def _git_ignores(name: str) -> bool:
     """Whether git ignores `name` in this checkout (a build output); False outside a git checkout."""
     try:
@@ -316,5 +341,5 @@ def test_named_files_and_modules_exist(path):
         where = os.path.join(REPO, name)
         if not (os.path.exists(where) or glob.glob(glob.escape(where) + "*") or _git_ignores(name)):
             missing.append(name)
-    missing += [f"-m {m}" for m in sorted(set(_MODULE.findall(text))) if importlib.util.find_spec(m) is None]
+    missing += [f"-m {m}" for m in sorted(set(_MODULE.findall(text))) if not _module_exists(m)]
     assert not missing, f"{os.path.relpath(path, REPO)} names what does not exist: {missing}"
