@@ -81,6 +81,7 @@ def optax_gwt_limiter_state():
 SHARDED = r"""
 import json, jax, equinox as eqx, haliax as hax
 from jax.sharding import Mesh
+import numpy as np
 from levanter.models.llama import LlamaConfig
 import optax_gwt, optax_gwt.levanter as gl
 cfg = LlamaConfig(max_seq_len=32, hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=4, num_kv_heads=2)
