@@ -343,3 +343,13 @@ def test_named_files_and_modules_exist(path):
             missing.append(name)
     missing += [f"-m {m}" for m in sorted(set(_MODULE.findall(text))) if not _module_exists(m)]
     assert not missing, f"{os.path.relpath(path, REPO)} names what does not exist: {missing}"
+
+
+def test_levanter_block_is_its_results_file():
+    """The Levanter guide's table is results/levanter/run.md, as benchmarks/levanter_run.py wrote it."""
+    block = _between(
+        read(os.path.join(DOCS, "guides", "levanter.md")),
+        "<!-- levanter-run:start (python -m benchmarks.levanter_run --out results/levanter/run) -->",
+        "<!-- levanter-run:end -->",
+    )
+    assert block == read(os.path.join(REPO, "results", "levanter", "run.md")).strip("\n")
