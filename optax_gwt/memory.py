@@ -74,9 +74,22 @@ def optimizer_state_bytes(optimizer: optax.GradientTransformation, params: Any) 
 
 
 def _owner(path: tuple, param_paths: list[tuple]) -> int | None:
-    """Index of the longest parameter path that `path` ends with (None for scalars of no one)."""
-    best, best_len = None, 0
-    for i, p in enumerate(param_paths):
-        if 0 < len(p) <= len(path) and tuple(path[-len(p) :]) == tuple(p) and len(p) > best_len:
-            best, best_len = i, len(p)
-    return best
+    """Index of the longest parameter path that `path` ends with (None for scalars of no one).
+
+    A parameter wrapped in a container pytree (a Flax ``Variable``'s ``.value``, a haliax
+    ``NamedArray``'s ``.array``) also owns a state array at the container's path, such as
+    the norm-growth limiter's per-array scalar.
+    """
+    for paths in (param_paths, [_container(p) for p in param_paths]):
+        best, best_len = None, 0
+        for i, p in enumerate(paths):
+            if 0 < len(p) <= len(path) and tuple(path[-len(p) :]) == tuple(p) and len(p) > best_len:
+                best, best_len = i, len(p)
+        if best is not None:
+            return best
+    return None
+
+
+def _container(path: tuple) -> tuple:
+    """The path of the container around a parameter reached by an attribute (``.value``), else ()."""
+    return tuple(path[:-1]) if path and isinstance(path[-1], jax.tree_util.GetAttrKey) else ()
