@@ -146,6 +146,7 @@ CLIS = [
     ("examples.llama.sweep", ["--config", "examples/llama/studies/smoke.toml", "--report"], "matplotlib", "Matplotlib"),
     ("examples.llama.compare", ["--steps", "1"], "flax", "Flax"),
     ("benchmarks.plan_check", [], "flax", "Flax"),
+    ("optax_gwt.levanter.train_lm", ["--config_path", "run.yaml"], "levanter", "Levanter"),
 ]
 
 
@@ -165,6 +166,8 @@ def test_example_cli_without_its_extra_prints_one_line():
     assert len(results) == len(CLIS), out
     for (module, _, hidden, name), (_, _, code) in zip(CLIS, results, strict=True):
         assert isinstance(code, str), (module, hidden, code)
-        assert re.fullmatch(rf'\S+( \S+)* needs {name}: pip install "optax-gwt\[(examples|plan)\]"', code), code
+        assert re.fullmatch(rf'\S+( \S+)* needs {name}: pip install "optax-gwt\[(examples|plan|levanter)\]"', code), (
+            code
+        )
     alone = _hidden_run(CLIS[:1], catch=False)
     assert alone.returncode == 1 and alone.stdout == "" and alone.stderr == results[0][2] + "\n", alone

@@ -17,9 +17,22 @@ first: ``python -m optax_gwt.levanter.train_lm --config_path ...``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from optax_gwt import _extras
 
-with _extras.requires("levanter", "optax_gwt.levanter"):
-    from optax_gwt.levanter.config import FOAMConfig, GWTConfig, choose_axes, gwt_labels, hidden_state_bytes
+try:
+    with _extras.requires("levanter", "optax_gwt.levanter"):
+        from optax_gwt.levanter._config import FOAMConfig, GWTConfig, choose_axes, gwt_labels, hidden_state_bytes
+except _extras.MissingExtraError as missing:
+    # Importable without the extra (so that ``python -m optax_gwt.levanter.train_lm`` can say
+    # in one line what is missing); any of its names is the one-line error.
+    _MISSING = missing
+    __all__: list[str] = []
 
-__all__ = ["GWTConfig", "FOAMConfig", "choose_axes", "gwt_labels", "hidden_state_bytes"]
+    def __getattr__(name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise _MISSING
+else:
+    __all__ = ["GWTConfig", "FOAMConfig", "choose_axes", "gwt_labels", "hidden_state_bytes"]

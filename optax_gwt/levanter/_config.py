@@ -14,13 +14,16 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import haliax as hax
 import jax
 import optax
-from levanter.optim import OptimizerConfig
-from levanter.optim.util import label_linear_like_module
 
 import optax_gwt
+from optax_gwt import _extras
+
+with _extras.requires("levanter", "optax_gwt.levanter"):
+    import haliax as hax
+    from levanter.optim import OptimizerConfig
+    from levanter.optim.util import label_linear_like_module
 
 __all__ = ["GWTConfig", "FOAMConfig", "choose_axes", "gwt_labels", "hidden_state_bytes"]
 
