@@ -91,5 +91,7 @@ def _owner(path: tuple, param_paths: list[tuple]) -> int | None:
 
 
 def _container(path: tuple) -> tuple:
-    """The path of the container around a parameter reached by an attribute (``.value``), else ()."""
-    return tuple(path[:-1]) if path and isinstance(path[-1], jax.tree_util.GetAttrKey) else ()
+    """The path of the container around a parameter reached by an attribute (``.value``) or as a
+    pytree's only child without a key (a haliax ``NamedArray``'s array), else ()."""
+    container_keys = (jax.tree_util.GetAttrKey, jax.tree_util.FlattenedIndexKey)
+    return tuple(path[:-1]) if path and isinstance(path[-1], container_keys) else ()
