@@ -121,6 +121,20 @@ class _GroupedConfig(OptimizerConfig):
     def _matrices(self, learning_rate, axes, batch_axes) -> optax.GradientTransformation:
         raise NotImplementedError
 
+    def _shared(self, axes, batch_axes) -> dict[str, Any]:
+        """The matrices' builder arguments both configs set the same way."""
+        return dict(
+            b1=self.beta1,
+            b2=self.beta2,
+            eps=self.epsilon,
+            weight_decay=self.weight_decay,
+            level=self.level,
+            scale=self.scale,
+            axis=axes,
+            batch_axes=batch_axes,
+            min_dim_size=2**self.level,
+        )
+
     def build(self, num_train_steps: int) -> optax.GradientTransformation:
         lr = self.lr_scheduler(num_train_steps)
         adam_lr = lr if self.adam_lr is None else self.lr_scheduler(num_train_steps, override_lr=self.adam_lr)
@@ -157,20 +171,8 @@ class GWTConfig(_GroupedConfig):
     epsilon: float = 1e-6
 
     def _matrices(self, learning_rate, axes, batch_axes) -> optax.GradientTransformation:
-        return optax_gwt.gwt_adamw(
-            learning_rate,
-            self.beta1,
-            self.beta2,
-            self.epsilon,
-            self.weight_decay,
-            level=self.level,
-            wavelet=self.wavelet,
-            scale=self.scale,
-            norm_growth_limit=self.norm_growth_limit,
-            axis=axes,
-            batch_axes=batch_axes,
-            min_dim_size=2**self.level,
-        )
+        own: dict[str, Any] = dict(wavelet=self.wavelet, norm_growth_limit=self.norm_growth_limit)
+        return optax_gwt.gwt_adamw(learning_rate, **self._shared(axes, batch_axes), **own)
 
 
 @OptimizerConfig.register_subclass("foam")
@@ -182,19 +184,8 @@ class FOAMConfig(_GroupedConfig):
     epsilon: float = 1e-8
 
     def _matrices(self, learning_rate, axes, batch_axes) -> optax.GradientTransformation:
-        return optax_gwt.foam_adamw(
-            learning_rate,
-            self.beta1,
-            self.beta2,
-            self.epsilon,
-            self.weight_decay,
-            level=self.level,
-            scale=self.scale,
-            residual_scale=self.residual_scale,
-            axis=axes,
-            batch_axes=batch_axes,
-            min_dim_size=2**self.level,
-        )
+        own: dict[str, Any] = dict(residual_scale=self.residual_scale)
+        return optax_gwt.foam_adamw(learning_rate, **self._shared(axes, batch_axes), **own)
 
 
 def hidden_state_bytes(optimizer: optax.GradientTransformation, model: Any) -> int:
