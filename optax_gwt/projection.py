@@ -220,16 +220,15 @@ class WaveletProjection:
 
     def _axes(self, tree, leaves_with_path, treedef, batches: list) -> list:
         """The absolute transform axis of each leaf (an int `axis` counts among a matrix's own axes)."""
-        if self.axis is None or isinstance(self.axis, (int, np.integer)):
-            return [
-                None
-                if self.axis is None or getattr(x, "ndim", 0) < 2 + (b or 0)
-                else (b or 0) + self.axis
-                if self.axis >= 0
-                else self.axis
-                for (_, x), b in zip(leaves_with_path, batches, strict=True)
-            ]
-        return self._per_leaf(self.axis, tree, leaves_with_path, treedef, "axis")
+        if self.axis is not None and not isinstance(self.axis, (int, np.integer)):
+            return self._per_leaf(self.axis, tree, leaves_with_path, treedef, "axis")
+        axes: list[int | None] = []
+        for (_, x), batch in zip(leaves_with_path, batches, strict=True):
+            if self.axis is None or getattr(x, "ndim", 0) < 2 + batch:
+                axes.append(None)  # not a matrix besides its batch axes
+            else:
+                axes.append(batch + self.axis if self.axis >= 0 else self.axis)
+        return axes
 
     def _mask(self, tree, treedef) -> list:
         if self.mask is None:

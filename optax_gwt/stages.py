@@ -464,16 +464,18 @@ def _scalar_owners(updates: Any, scalars: Any) -> list[int]:
     leaf_paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(updates, is_leaf=is_coefficients)[0]]
     scalar_paths = [tuple(p) for p, _ in jax.tree_util.tree_flatten_with_path(scalars)[0]]
     where = {p: i for i, p in enumerate(scalar_paths)}
-    owners = []
+    owners: list[int] = []
+    taken: set[int] = set()
     for path in leaf_paths:
         prefixes = [tuple(path[:n]) for n in range(len(path), -1, -1)]
         found = next((where[p] for p in prefixes if p in where), None)
-        if found is None or found in owners:
+        if found is None or found in taken:
             raise ValueError(
                 f"limit_norm_growth: {jax.tree_util.keystr(tuple(path))} has no scalar of its own in the state "
                 "(initialised for another params tree, or a container holding several arrays)"
             )
         owners.append(found)
+        taken.add(found)
     return owners
 
 
