@@ -222,7 +222,7 @@ class WaveletProjection:
         """The absolute transform axis of each leaf (an int `axis` counts among a matrix's own axes)."""
         if self.axis is not None and not isinstance(self.axis, (int, np.integer)):
             return self._per_leaf(self.axis, tree, leaves_with_path, treedef, "axis")
-        axes: list[int | None] = []
+        axes: list[Any] = []
         for (_, x), batch in zip(leaves_with_path, batches, strict=True):
             if self.axis is None or getattr(x, "ndim", 0) < 2 + batch:
                 axes.append(None)  # not a matrix besides its batch axes
