@@ -349,7 +349,17 @@ def test_levanter_block_is_its_results_file():
     """The Levanter guide's table is results/levanter/run.md, as benchmarks/levanter_run.py wrote it."""
     block = _between(
         read(os.path.join(DOCS, "guides", "levanter.md")),
-        "<!-- levanter-run:start (python -m benchmarks.levanter_run --out results/levanter/run) -->",
+        "<!-- levanter-run:start (python -m benchmarks.levanter_run --steps 60 --out results/levanter/run) -->",
         "<!-- levanter-run:end -->",
     )
     assert block == read(os.path.join(REPO, "results", "levanter", "run.md")).strip("\n")
+
+
+def test_maxtext_block_is_its_results_file():
+    """The guide's MaxText table is results/maxtext/run.md, as benchmarks/maxtext_run.py wrote it."""
+    block = _between(
+        read(os.path.join(DOCS, "guides", "levanter.md")),
+        "<!-- maxtext-run:start (python -m benchmarks.maxtext_run --steps 40 --out results/maxtext/run) -->",
+        "<!-- maxtext-run:end -->",
+    )
+    assert block == read(os.path.join(REPO, "results", "maxtext", "run.md")).strip("\n")

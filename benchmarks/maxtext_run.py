@@ -1,0 +1,179 @@
+"""GWT inside MaxText through its one hook, ``maxtext.optimizers.optimizers.get_optimizer``.
+
+    python -m benchmarks.maxtext_run --out results/maxtext/run   # where MaxText is installed (Python >= 3.12)
+
+MaxText's ``opt_type`` is a closed list (adamw, adam_pax, sgd, muon) checked when its
+config is parsed, so a new optimizer cannot be named in its YAML: this recipe leaves
+``opt_type: adamw`` and replaces ``get_optimizer`` before MaxText's trainer starts (the
+trainer looks it up on its module at each call). The replacement (`gwt_get_optimizer`)
+applies `optax_gwt.gwt_adamw` to the scanned decoder layers' kernels and MaxText's own
+AdamW (its betas, eps, weight decay and decay mask) to everything else, under MaxText's
+learning-rate schedule.
+
+The script runs MaxText's own ``maxtext.trainers.pre_train.train`` on synthetic data, on
+the CPU, a tiny Llama-style decoder, three times (MaxText's adamw, then GWT-2 at scale
+0.25 and at scale 1: same config, data, learning rate and seed) in subprocesses, and
+writes ``<out>.json`` / ``<out>.md``: the losses and the optimizer-state bytes of the
+decoder kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import optax
+
+import optax_gwt
+
+MODEL = [
+    "base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=256",
+    "base_num_decoder_layers=2", "head_dim=16", "vocab_size=256", "max_target_length=64",
+]  # fmt: skip
+
+
+def _is_layer_kernel(path: tuple, x: Any) -> bool:
+    # Dict keys only: at init MaxText's params may still be boxed (a trailing ``.value``).
+    keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+    return "layers" in keys and keys[-1] == "kernel" and x.ndim >= 3
+
+
+def transform_axis(shape: tuple[int, ...], scan_axis: int | None) -> int:
+    """The longest axis that is not the scanned layer axis (the last of equals)."""
+    axes = [i for i in range(len(shape)) if i != scan_axis]
+    return max(axes, key=lambda i: (shape[i], i))
+
+
+def gwt_get_optimizer(config, learning_rate_schedule, model=None, mesh=None) -> optax.GradientTransformation:
+    """MaxText's ``get_optimizer``, GWT on the decoder layers' kernels, MaxText's AdamW elsewhere.
+
+    GWT's settings come from the environment (``GWT_LEVEL``, ``GWT_SCALE``), since MaxText's
+    config rejects keys it does not know. The layer axis is MaxText's ``param_scan_axis``,
+    which sits between a kernel's own axes (``(embed, layer, mlp)``), where ``batch_axes``
+    takes leading axes only: the limiter's norm is one per stacked kernel, not per layer.
+    """
+    from maxtext.optimizers import optimizers
+
+    scan_axis = config.param_scan_axis if config.scan_layers else None
+    matrices = optax_gwt.gwt_adamw(
+        learning_rate_schedule,
+        b1=config.adam_b1,
+        b2=config.adam_b2,
+        eps=config.adam_eps,
+        weight_decay=config.adam_weight_decay,
+        level=int(os.environ.get("GWT_LEVEL", "2")),
+        scale=float(os.environ.get("GWT_SCALE", "0.25")),
+        axis=lambda path, x: transform_axis(x.shape, scan_axis),
+    )
+    rest = optax.adamw(
+        learning_rate_schedule,
+        b1=config.adam_b1,
+        b2=config.adam_b2,
+        eps=config.adam_eps,
+        weight_decay=config.adam_weight_decay,
+        mask=optimizers.get_adamw_mask(config),
+    )
+
+    def labels(params):
+        return jax.tree_util.tree_map_with_path(lambda p, x: "gwt" if _is_layer_kernel(p, x) else "adamw", params)
+
+    return _reporting(optax.multi_transform({"gwt": matrices, "adamw": rest}, labels))
+
+
+def _reporting(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx`, printing at init the state bytes of the layers' kernels as one JSON line."""
+
+    def init(params):
+        per = jax.tree.leaves(optax_gwt.optimizer_state_bytes(tx, params).per_param)
+        flat = jax.tree_util.tree_flatten_with_path(params)[0]
+        kernels = sum(b for b, (p, x) in zip(per, flat, strict=True) if _is_layer_kernel(p, x))
+        print("OPTAX_GWT_STATE " + json.dumps({"layer_kernels_bytes": int(kernels)}), flush=True)
+        return tx.init(params)
+
+    return optax.GradientTransformation(init, tx.update)
+
+
+def _adamw_reporting(config, learning_rate_schedule, model=None, mesh=None):
+    return _reporting(_ORIGINAL(config, learning_rate_schedule, model, mesh=mesh))
+
+
+_ORIGINAL: Any = None
+
+
+def train(argv: list[str], optimizer: str) -> None:
+    """MaxText's pre-training entry point, with `optimizer` ("adamw" or "gwt") in place."""
+    global _ORIGINAL
+    from absl import app
+    from maxtext.optimizers import optimizers
+    from maxtext.trainers.pre_train import train as maxtext_train
+
+    _ORIGINAL = optimizers.get_optimizer
+    optimizers.get_optimizer = gwt_get_optimizer if optimizer == "gwt" else _adamw_reporting
+    app.run(maxtext_train.main, argv=argv)  # as MaxText's own entry point (absl's flags and logging)
+
+
+def run(workdir: Path, optimizer: str, steps: int, learning_rate: float, scale: float = 0.25) -> dict:
+    """One MaxText run in a subprocess: its losses by step and the kernels' state bytes."""
+    import maxtext
+
+    base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
+    args = [base, f"run_name={optimizer}", f"base_output_directory={workdir}", "dataset_type=synthetic",
+            f"steps={steps}", "hardware=cpu", "per_device_batch_size=4", "enable_checkpointing=false",
+            "skip_jax_distributed_system=true", f"learning_rate={learning_rate}", *MODEL]  # fmt: skip
+    code = f"import sys; from benchmarks import maxtext_run; maxtext_run.train(sys.argv[1:], {optimizer!r})"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "GWT_SCALE": str(scale)}
+    done = subprocess.run([sys.executable, "-c", code, "_", *args], capture_output=True, text=True, env=env)
+    out = done.stdout + done.stderr
+    if done.returncode != 0:
+        raise RuntimeError(f"MaxText ({optimizer}) failed:\n{out[-4000:]}")
+    losses = {int(s): float(v) for s, v in re.findall(r"completed step: (\d+),.*? loss: ([0-9.]+)", out)}
+    state = json.loads(out[out.index("OPTAX_GWT_STATE ") + 16 :].splitlines()[0])
+    return {"losses": losses, **state}
+
+
+RUNS = {"adamw": ("adamw", 0.25), "gwt": ("gwt", 0.25), "gwt-scale-1": ("gwt", 1.0)}
+
+
+def markdown(r: dict) -> str:
+    losses = [{int(k): v for k, v in r[name]["losses"].items()} for name in RUNS]
+    lines = ["| step | MaxText adamw loss | GWT-2 loss (scale 0.25) | GWT-2 loss (scale 1) |", "|---|---|---|---|"]
+    steps = sorted(losses[0])
+    every = max(1, len(steps) // 10)
+    for s in [s for s in steps if s % every == 0 or s == steps[-1]]:
+        lines.append(f"| {s} | " + " | ".join(f"{run.get(s, float('nan')):.4f}" for run in losses) + " |")
+    a, g = r["adamw"]["layer_kernels_bytes"], r["gwt"]["layer_kernels_bytes"]
+    lines += ["", f"Decoder layers' kernels, optimizer state: GWT-2 {g:,} B, adamw {a:,} B ({g / a:.3f}x)."]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    try:
+        import maxtext
+    except ImportError:
+        sys.exit("benchmarks.maxtext_run needs MaxText: pip install 'maxtext[tpu]' (Python >= 3.12)")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="results/maxtext/run")
+    p.add_argument("--workdir", default="runs/maxtext")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--learning-rate", type=float, default=3e-3)
+    args = p.parse_args(argv)
+    workdir = Path(args.workdir).resolve()
+    r: dict[str, Any] = {"steps": args.steps, "learning_rate": args.learning_rate, "model": MODEL}
+    for name, (optimizer, scale) in RUNS.items():
+        r[name] = run(workdir, optimizer, args.steps, args.learning_rate, scale)
+    r["versions"] = {"maxtext": maxtext.__version__, "jax": jax.__version__, "optax": optax.__version__}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    Path(args.out + ".json").write_text(json.dumps(r, indent=1))
+    Path(args.out + ".md").write_text(markdown(r) + "\n")
+    print(markdown(r))
+
+
+if __name__ == "__main__":
+    main()
