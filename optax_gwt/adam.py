@@ -9,6 +9,7 @@ for the ``"adam"`` detail rule of `wavelet_inverse`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -240,7 +241,15 @@ def scale_by_reference_adam(
         and the limiter's input computed from them."""
         if cpu_kernel and not energy and signal is not None and _cpu_kernel.applies(signal[0], m, v):
             gradient, axis, block = signal
-            return _cpu_kernel.haar_adam_moments(gradient, m, v, axis=axis, block=block, b1=b1, b2=b2, eps=eps)
+            kernel = functools.partial(_cpu_kernel.haar_adam_moments, axis=axis, block=block, b1=b1, b2=b2, eps=eps)
+            # Chosen when lowering: a program compiled for a GPU or TPU (deviceless
+            # too, while the CPU is JAX's default backend) gets the XLA branch.
+            return jax.lax.platform_dependent(
+                cpu=lambda: kernel(gradient, m, v), default=lambda: xla_moments(g, m, v, signal)
+            )
+        return xla_moments(g, m, v, signal)
+
+    def xla_moments(g, m, v, signal):
         if energy and signal is not None:
             gradient, axis, block = signal
             v = _moment(haar.block_sums(jnp.square(gradient), axis, block), v, b2, 1).astype(v.dtype)

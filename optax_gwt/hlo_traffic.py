@@ -3,9 +3,23 @@
 Counts, in the entry computation of ``compiled.as_text()``, the top-level
 instructions that touch memory (fusions, custom calls, stand-alone ops; not
 parameters, tuples, bitcasts or constants) and the bytes of their operands and
-results. An operand is "full-size" when its element count equals that of one of
-the given parameter arrays: the number of full-size reads per parameter is how
-many times the step streams each weight-sized array from memory.
+results that live in the device's main memory (HBM on a GPU or TPU, RAM on the
+CPU). It reads the HLO of any backend, a deviceless compile for a GPU or TPU
+included:
+
+- an array whose layout names a memory space other than 0 (``{1,0:T(8,128)S(1)}``:
+  a TPU's on-chip VMEM, scalar memory, semaphores) moves no main-memory bytes;
+- an asynchronous copy or slice (``copy-start`` / ``slice-start`` ... ``-done``)
+  is counted once, at its ``-done``: it reads from main memory as many bytes as it
+  delivers (a slice reads only its part of the source) and writes them there only if
+  its destination is in main memory; other ``*-start`` ops read their operands;
+- a stand-alone ``slice`` or ``dynamic-slice`` reads only the elements it returns;
+- custom calls that only reinterpret on-chip buffers (``ConcatBitcast``) move
+  nothing and launch nothing.
+
+An operand is "full-size" when its element count equals that of one of the given
+parameter arrays: the number of full-size reads per parameter is how many times
+the step streams each weight-sized array from memory.
 """
 
 from __future__ import annotations
@@ -43,22 +57,42 @@ _FREE_OPS = {
     "partition-id",
     "replica-id",
 }
-_ARRAY = re.compile(r"\b(pred|[su](?:8|16|32|64)|bf16|f(?:16|32|64)|c(?:64|128))\[([0-9,]*)\]")
+_DMA_STARTS = {"copy-start", "slice-start"}  # what they deliver is what they read
+_SLICES = {"slice", "dynamic-slice"}
+_ARRAY = re.compile(r"\b(pred|[su](?:8|16|32|64)|bf16|f(?:16|32|64)|c(?:64|128))\[([0-9,]*)\](\{[^}]*\})?")
+_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
 
 
+class Array(NamedTuple):
+    """One array type written in HLO text."""
+
+    dtype: str
+    size: int  # elements
+    rank: int
+    in_main_memory: bool  # memory space 0 (HBM or RAM), not on-chip
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * _DTYPE_BYTES[self.dtype]
+
+
 class Traffic(NamedTuple):
-    """What the entry computation of one compiled program does to memory.
+    """What the entry computation of one compiled program does to main memory.
 
     Attributes:
-      ops: top-level instructions that touch memory (fusions included).
+      ops: top-level instructions that touch memory (fusions included; an
+        asynchronous copy or slice counted once).
       fusions: of which fusions.
-      bytes_read: bytes of all their operands.
-      bytes_written: bytes of all their results.
-      full_size_reads: operands of a parameter's full size, counted once per use.
-      full_size_writes: results of a parameter's full size.
+      bytes_read: main-memory bytes they read.
+      bytes_written: main-memory bytes they write.
+      full_size_reads: main-memory operands of a parameter's full size, counted
+        once per use.
+      full_size_writes: main-memory results of a parameter's full size.
       full_size_read_elements: elements of those full-size operands; divided by
         the number of parameters, the full-size reads per parameter.
+      kernels: programs the device launches: the ops that compute an array
+        (rank >= 1), not the asynchronous copies and slices (DMA), not bitcasts.
     """
 
     ops: int
@@ -68,14 +102,17 @@ class Traffic(NamedTuple):
     full_size_reads: int
     full_size_writes: int
     full_size_read_elements: int
+    kernels: int = 0
 
 
-def _arrays(text: str) -> list[tuple[str, int]]:
-    """(dtype, element count) of every array type written in `text`."""
+def _arrays(text: str) -> list[Array]:
+    """Every array type written in `text` (a result type, possibly a tuple)."""
     out = []
-    for dtype, dims in _ARRAY.findall(text):
-        n = int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) if dims else 1
-        out.append((dtype, n))
+    for dtype, dims, layout in _ARRAY.findall(text):
+        shape = [int(d) for d in dims.split(",") if d]
+        space = _MEMORY_SPACE.search(layout.split(":", 1)[1]) if ":" in layout else None
+        size = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        out.append(Array(dtype, size, len(shape), space is None or space.group(1) == "0"))
     return out
 
 
@@ -87,6 +124,7 @@ class Instruction(NamedTuple):
     opcode: str
     operands: list[str]  # names of the operand instructions
     parameter: int | None  # the parameter number, for a ``parameter`` instruction
+    attributes: str = ""  # what follows the operand list (``custom_call_target=...``, ...)
 
 
 def entry_instructions(hlo_text: str) -> list[Instruction]:
@@ -106,34 +144,59 @@ def entry_instructions(hlo_text: str) -> list[Instruction]:
             assert number is not None, f"a parameter without its number: {line}"
             out.append(Instruction(name, result_type, opcode, [], int(number.group())))
         else:
-            operands = re.findall(r"%([\w.\-]+)", rest.split("),")[0] if ")," in rest else rest)
-            out.append(Instruction(name, result_type, opcode, operands, None))
+            args, _, attributes = rest.partition("),") if ")," in rest else (rest, "", "")
+            out.append(Instruction(name, result_type, opcode, re.findall(r"%([\w.\-]+)", args), None, attributes))
     return out
 
 
+def _moves(ins: Instruction, shapes: dict[str, list[Array]], starts: dict[str, Instruction]):
+    """(arrays read, arrays written) in main memory by one top-level instruction, or None if it is free."""
+    if ins.opcode in _FREE_OPS or ins.opcode in _DMA_STARTS:  # a DMA is counted at its -done
+        return None
+    if "Bitcast" in ins.attributes and ins.opcode == "custom-call":
+        return None
+    result = shapes[ins.name]
+    written = [a for a in result if a.in_main_memory]
+    if ins.opcode.endswith("-done"):
+        start = starts.get(ins.operands[0]) if ins.operands else None
+        if start is None or start.opcode not in _DMA_STARTS:
+            return [], written  # its start read the operands
+        from_main = any(a.in_main_memory for op in start.operands for a in shapes.get(op, []))
+        return (result if from_main else []), written
+    operands = [a for op in ins.operands for a in shapes.get(op, []) if a.in_main_memory]
+    if ins.opcode in _SLICES:  # reads only what it returns
+        operands = result if any(a.in_main_memory for a in shapes.get(ins.operands[0], [])) else []
+    if ins.opcode.endswith("-start"):  # its -done writes the result
+        written = []
+    return operands, written
+
+
 def entry_traffic(hlo_text: str, full_sizes: Iterable[int]) -> Traffic:
-    """Counts the memory traffic of the entry computation of `hlo_text`.
+    """Counts the main-memory traffic of the entry computation of `hlo_text`.
 
     Args:
-      hlo_text: ``jax.jit(f).lower(...).compile().as_text()``.
+      hlo_text: ``jax.jit(f).lower(...).compile().as_text()``, for any backend.
       full_sizes: element counts that are "full size" (those of the params).
     """
     full = set(int(n) for n in full_sizes)
-    shapes: dict[str, list[tuple[str, int]]] = {}
-    ops = fusions = read = written = full_reads = full_writes = full_elems = 0
+    shapes: dict[str, list[Array]] = {}
+    starts: dict[str, Instruction] = {}
+    ops = fusions = kernels = read = written = full_reads = full_writes = full_elems = 0
     for ins in entry_instructions(hlo_text):
-        result = _arrays(ins.result_type)
-        shapes[ins.name] = result
-        if ins.opcode in _FREE_OPS:
+        shapes[ins.name] = _arrays(ins.result_type)
+        if ins.opcode.endswith("-start"):
+            starts[ins.name] = ins
+        moved = _moves(ins, shapes, starts)
+        if moved is None:
             continue
+        reads, writes = moved
         ops += 1
         fusions += ins.opcode == "fusion"
-        for op in ins.operands:
-            for dtype, n in shapes.get(op, []):
-                read += n * _DTYPE_BYTES[dtype]
-                full_reads += n in full
-                full_elems += n if n in full else 0
-        for dtype, n in result:
-            written += n * _DTYPE_BYTES[dtype]
-            full_writes += n in full
-    return Traffic(ops, fusions, read, written, full_reads, full_writes, full_elems)
+        dma = ins.opcode.endswith("-done") or ins.opcode.endswith("-start")
+        kernels += not dma and any(a.rank > 0 for a in shapes[ins.name])
+        read += sum(a.nbytes for a in reads)
+        written += sum(a.nbytes for a in writes)
+        full_reads += sum(a.size in full for a in reads)
+        full_elems += sum(a.size for a in reads if a.size in full)
+        full_writes += sum(a.size in full for a in writes)
+    return Traffic(ops, fusions, read, written, full_reads, full_writes, full_elems, kernels)

@@ -1,0 +1,138 @@
+"""GWT's update step as an H100 or a TPU compiles it, without the chip.
+
+    python -m benchmarks.target_compile --out results/targets/update    # needs the compile-only plugins
+
+For each target (`optax_gwt.targets`), dtype and optimizer, compiles the donated step
+``(params, state, grads) -> (params, state)`` of ``optax.adamw`` or ``gwt_adamw(level=L)``
+(the paper's limiter on) on the attention and MLP matrices of LLaMA-60M (25.3 M
+parameters, all under the optimizer), deviceless, and reads from the optimized HLO
+the main-memory (HBM) bytes per parameter and the kernels (`optax_gwt.hlo_traffic`),
+and from ``memory_analysis()`` the temporaries and the peak (arguments + outputs not
+aliased to them + temporaries). The state GWT saves is AdamW's state minus GWT's.
+Writes ``<out>.json`` and ``<out>.md``. Nothing runs on a chip: no wall times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optax_gwt
+from benchmarks.llama_shapes import CONFIGS, is_attention_or_mlp, llama_shapes
+from optax_gwt import targets
+from optax_gwt.hlo_traffic import entry_traffic
+
+LEARNING_RATE, WEIGHT_DECAY = 1e-3, 0.01
+
+
+def matrices(model: str = "60m") -> dict[str, tuple[int, ...]]:
+    """The attention and MLP kernels' shapes, by path."""
+    shapes = llama_shapes(CONFIGS[model])
+    leaves = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]
+    return {jax.tree_util.keystr(p): s for p, s in leaves if is_attention_or_mlp(p)}
+
+
+def optimizer(name: str) -> optax.GradientTransformation:
+    """``adamw`` or ``gwt<level>``."""
+    if name == "adamw":
+        return optax.adamw(LEARNING_RATE, eps=1e-6, weight_decay=WEIGHT_DECAY)
+    return optax_gwt.gwt_adamw(LEARNING_RATE, eps=1e-6, weight_decay=WEIGHT_DECAY, level=int(name.removeprefix("gwt")))
+
+
+def compile_step(tx: optax.GradientTransformation, shapes: dict, dtype: Any, device: jax.Device):
+    """The donated update step compiled for `device`."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    params = {k: jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for k, s in shapes.items()}
+    state = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), jax.eval_shape(tx.init, params)
+    )
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile(), params
+
+
+def measure(target: str, dtype: Any, name: str, shapes: dict) -> dict:
+    """One compile's figures."""
+    tx = optimizer(name)
+    start = time.perf_counter()
+    compiled, params = compile_step(tx, shapes, dtype, targets.device(target))
+    seconds = time.perf_counter() - start
+    n = sum(int(np.prod(s)) for s in shapes.values())
+    text = compiled.as_text()
+    traffic = entry_traffic(text, [int(np.prod(s)) for s in shapes.values()])
+    mem = compiled.memory_analysis()
+    return {
+        "bytes_per_param": (traffic.bytes_read + traffic.bytes_written) / n,
+        "kernels": traffic.kernels,
+        "temp_bytes": mem.temp_size_in_bytes,
+        "peak_bytes": mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+        + mem.temp_size_in_bytes,
+        "state_bytes": optax_gwt.optimizer_state_bytes(tx, params).total,
+        "cpu_kernel_in_hlo": "optax_gwt_haar" in text,
+        "compile_s": seconds,
+    }  # fmt: skip
+
+
+def run(target_names: list[str], dtypes: list[str], names: list[str], model: str = "60m") -> dict:
+    shapes = matrices(model)
+    out: dict[str, Any] = {"model": model, "params": sum(int(np.prod(s)) for s in shapes.values()), "rows": []}
+    for target in target_names:
+        for dtype in dtypes:
+            rows = {name: measure(target, jnp.dtype(dtype), name, shapes) for name in ["adamw", *names]}
+            for name, r in rows.items():
+                saved = rows["adamw"]["state_bytes"] - r["state_bytes"]
+                r.update(target=target, dtype=dtype, optimizer=name, state_saved_bytes=saved)
+                r["bytes_vs_adamw"] = r["bytes_per_param"] / rows["adamw"]["bytes_per_param"]
+                r["kernels_vs_adamw"] = r["kernels"] / rows["adamw"]["kernels"]
+                r["temp_vs_saved"] = r["temp_bytes"] / saved if saved else None
+                out["rows"].append(r)
+                print(f"{target} {dtype} {name}: {r['bytes_per_param']:.2f} B/param, {r['kernels']} kernels, "
+                      f"temp {r['temp_bytes'] / 2**20:.1f} MiB ({r['compile_s']:.1f} s)", flush=True)  # fmt: skip
+    return out
+
+
+def markdown(r: dict) -> str:
+    lines = [
+        "| target | dtype | optimizer | HBM B/param | vs AdamW | kernels | vs AdamW | temporaries, MiB "
+        "| temporaries / state saved | peak, MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for x in r["rows"]:
+        share = "-" if x["temp_vs_saved"] is None else f"{100 * x['temp_vs_saved']:.1f}%"
+        lines.append(
+            f"| {x['target']} | {x['dtype']} | {x['optimizer']} | {x['bytes_per_param']:.2f} | "
+            f"{x['bytes_vs_adamw']:.2f}x | {x['kernels']} | {x['kernels_vs_adamw']:.1f}x | "
+            f"{x['temp_bytes'] / 2**20:.1f} | {share} | {x['peak_bytes'] / 2**20:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--targets", nargs="+", default=["h100", "v5e", "v6e"], choices=sorted(targets.TARGETS))
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--optimizers", nargs="+", default=["gwt1", "gwt2", "gwt3"])
+    p.add_argument("--out", default="results/targets/update")
+    args = p.parse_args(argv)
+    r = run(args.targets, args.dtypes, args.optimizers)
+    r["jax"] = jax.__version__
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    Path(args.out + ".json").write_text(json.dumps(r, indent=1))
+    Path(args.out + ".md").write_text(markdown(r) + "\n")
+    print(markdown(r))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Deviceless compiles for an H100 and TPUs (optax_gwt.targets), where JAX's compile-only plugins
+are installed (CI installs them in an environment of their own); skipped elsewhere."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_gwt
+from optax_gwt import cpu_kernel, targets
+from optax_gwt.hlo_traffic import entry_traffic
+
+SHAPES = {"q": (256, 256), "up": (256, 688), "down": (688, 256)}
+N = sum(int(np.prod(s)) for s in SHAPES.values())
+TARGETS = ["h100", "v5e", "v6e"]
+
+
+def _device(name):
+    try:
+        return targets.device(name)
+    except RuntimeError as missing:
+        pytest.skip(str(missing).split(" (")[0])
+
+
+def _compiled(tx, dtype, device):
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    params = {k: jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for k, s in SHAPES.items()}
+    state = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), jax.eval_shape(tx.init, params)
+    )
+
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile().as_text()
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("dtype,expected", [(jnp.float32, 28.0), (jnp.bfloat16, 14.0)])
+def test_adamw_moves_its_textbook_bytes_on_each_target(target, dtype, expected):
+    """Reads params, grads, m, v and writes params, m, v once: 7 arrays of the params' dtype."""
+    text = _compiled(optax.adamw(1e-3, weight_decay=0.01), dtype, _device(target))
+    t = entry_traffic(text, [int(np.prod(s)) for s in SHAPES.values()])
+    assert (t.bytes_read + t.bytes_written) / N == pytest.approx(expected, abs=0.005)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_gwt_for_a_chip_never_gets_the_cpu_kernel(target):
+    """The CPU is JAX's default backend during a deviceless compile; the kernel is chosen per platform."""
+    text = _compiled(optax_gwt.gwt_adamw(1e-3, level=2), jnp.float32, _device(target))
+    assert "optax_gwt_haar" not in text
+    if cpu_kernel.available():
+        cpu = jax.devices("cpu")[0]
+        assert "optax_gwt_haar" in _compiled(optax_gwt.gwt_adamw(1e-3, level=2), jnp.float32, cpu)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_gwt_moves_fewer_bytes_than_adamw_at_level_2(target):
+    """A regression bound, not the goal (see results/targets): GWT-2 under AdamW's bytes on every chip."""
+    device = _device(target)
+    sizes = [int(np.prod(s)) for s in SHAPES.values()]
+    adamw = entry_traffic(_compiled(optax.adamw(1e-3), jnp.float32, device), sizes)
+    gwt = entry_traffic(_compiled(optax_gwt.gwt_adamw(1e-3, level=2), jnp.float32, device), sizes)
+    assert gwt.bytes_read + gwt.bytes_written < 0.9 * (adamw.bytes_read + adamw.bytes_written)
