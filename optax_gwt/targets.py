@@ -33,26 +33,20 @@ from typing import Any, NamedTuple
 
 import jax
 
-__all__ = ["Target", "TARGETS", "device"]
+__all__ = ["Target", "TARGETS", "device", "devices", "missing_compiler"]
 
 
 class Target(NamedTuple):
-    """One accelerator: how to compile for it, and the figures a planner needs.
+    """How to compile for one accelerator (its peak, bandwidth and memory: `optax_gwt.plan.ACCELERATORS`).
 
     Attributes:
       platform: ``"cuda"`` or ``"tpu"``.
-      topology: the TPU topology name (``"v5e:2x2"``); unused for GPUs.
-      hbm_gib: memory per chip, GiB.
-      hbm_gb_per_s: memory bandwidth per chip, GB/s.
-      bf16_tflops: dense bfloat16 peak per chip, TFLOP/s.
+      chip: the TPU generation as libtpu names it (``"v5e"``); unused for GPUs.
       gpu: for a GPU, the facts XLA's GPU compiler is given (a ``GpuTargetConfig``).
     """
 
     platform: str
-    topology: str
-    hbm_gib: float
-    hbm_gb_per_s: float
-    bf16_tflops: float
+    chip: str = ""
     gpu: dict[str, Any] | None = None
 
 
@@ -69,11 +63,11 @@ _A100_SXM = {
 }  # fmt: skip
 
 TARGETS: dict[str, Target] = {
-    "h100": Target("cuda", "", 80, 3352, 989, _H100_SXM),
-    "a100": Target("cuda", "", 80, 2039, 312, _A100_SXM),
-    "v5e": Target("tpu", "v5e:2x2", 16, 819, 197),
-    "v6e": Target("tpu", "v6e:2x2", 32, 1640, 918),
-    "v5p": Target("tpu", "v5p:2x2x1", 95, 2765, 459),
+    "h100": Target("cuda", gpu=_H100_SXM),
+    "a100": Target("cuda", gpu=_A100_SXM),
+    "v5e": Target("tpu", "v5e"),
+    "v6e": Target("tpu", "v6e"),
+    "v5p": Target("tpu", "v5p"),
 }
 
 
@@ -94,9 +88,37 @@ def _gpu_target_config(facts: dict[str, Any]) -> str:
     )  # fmt: skip
 
 
+def _topology(target: Target, n: int) -> str:
+    """The smallest slice of `n` chips or more: ``"v5e:2x2"``, ``"v5e:8x8"``, ``"v5p:2x2x4"``; GPUs ``"1x1x<n>"``
+    (one host of `n`)."""
+    if target.platform == "cuda":
+        return f"1x1x{n}"
+    if target.chip == "v5p":  # 3-D: 2 x 2 x z
+        return f"v5p:2x2x{max(1, -(-n // 4))}"
+    chips = max(4, 1 << (n - 1).bit_length())  # 2-D slices of 4, 8, 16, ... chips
+    x = 1 << ((chips.bit_length() - 1 + 1) // 2)
+    return f"{target.chip}:{x}x{chips // x}"
+
+
+def missing_compiler(name: str) -> str | None:
+    """None if JAX can compile for target `name` here; else one line saying what to install."""
+    import importlib.util
+
+    target = TARGETS[name]
+    module, extra = ("jax_plugins.xla_cuda12", "cuda12-local") if target.platform == "cuda" else ("libtpu", "tpu")
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        found = False
+    if found:
+        return None
+    requirement = f"jax[{extra}]=={jax.__version__}"
+    return f'compiling for {name} needs JAX\'s {target.platform} compiler: pip install "{requirement}"'
+
+
 @functools.cache
-def device(name: str) -> jax.Device:
-    """A compile-only device of target `name` (a key of `TARGETS`), for ``jax.ShapeDtypeStruct`` shardings.
+def devices(name: str, n: int = 1) -> tuple[jax.Device, ...]:
+    """`n` compile-only devices of target `name` (a key of `TARGETS`), for shardings and meshes.
 
     Raises:
       ValueError: an unknown name.
@@ -108,18 +130,22 @@ def device(name: str) -> jax.Device:
     target = TARGETS[name]
     from jax.experimental import topologies
 
+    missing = missing_compiler(name)
+    if missing:
+        raise RuntimeError(missing)
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    extra = "cuda12-local" if target.platform == "cuda" else "tpu"
-    try:
-        if target.platform == "cuda":
-            assert target.gpu is not None
-            config = _gpu_target_config(target.gpu)
-            desc = topologies.get_topology_desc(name, "cuda", target_config=config, topology="1x1x1")
-        else:
-            desc = topologies.get_topology_desc(target.topology, "tpu")
-    except Exception as error:  # JAX raises several types for a missing plugin
-        raise RuntimeError(
-            f"compiling for {name} needs JAX's {target.platform} compiler: "
-            f'pip install "jax[{extra}]=={jax.__version__}" ({type(error).__name__}: {error})'
-        ) from error
-    return desc.devices[0]
+    topology = _topology(target, n)
+    if target.platform == "cuda":
+        assert target.gpu is not None
+        config = _gpu_target_config(target.gpu)
+        desc = topologies.get_topology_desc(name, "cuda", target_config=config, topology=topology)
+    else:
+        desc = topologies.get_topology_desc(topology, "tpu")
+    if len(desc.devices) < n:
+        raise ValueError(f"{name}: topology {topology} has {len(desc.devices)} devices, {n} wanted")
+    return tuple(desc.devices[:n])
+
+
+def device(name: str) -> jax.Device:
+    """One compile-only device of target `name` (see `devices`)."""
+    return devices(name, 1)[0]

@@ -363,3 +363,13 @@ def test_maxtext_block_is_its_results_file():
         "<!-- maxtext-run:end -->",
     )
     assert block == read(os.path.join(REPO, "results", "maxtext", "run.md")).strip("\n")
+
+
+def test_targets_block_is_its_results_file():
+    """The performance page's chip table is results/targets/update.md, as benchmarks/target_compile.py wrote it."""
+    block = _between(
+        read(os.path.join(DOCS, "performance.md")),
+        "<!-- targets-table:start (python -m benchmarks.target_compile --out results/targets/update) -->",
+        "<!-- targets-table:end -->",
+    )
+    assert block == read(os.path.join(REPO, "results", "targets", "update.md")).strip("\n")

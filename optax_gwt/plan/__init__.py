@@ -78,6 +78,8 @@ ACCELERATORS = {
     "h200": Accelerator("H200 SXM", 989e12, 4.8e12, 141 * GIB),
     "a100": Accelerator("A100 80GB SXM", 312e12, 2.039e12, 80 * GIB),
     "v5e": Accelerator("TPU v5e", 197e12, 819e9, 16 * GIB),
+    "v6e": Accelerator("TPU v6e", 918e12, 1.64e12, 32 * GIB),
+    "v5p": Accelerator("TPU v5p", 459e12, 2.765e12, 95 * GIB),
 }
 
 

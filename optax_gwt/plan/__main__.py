@@ -2,10 +2,14 @@
 
     python -m optax_gwt.plan --config 7b --devices 64 --mesh fsdp=64 --hbm 80
     python -m optax_gwt.plan --config 60m 130m 350m 1b --accelerator h100 --out results/plan/sizes
+    python -m optax_gwt.plan --config 7b --mesh fsdp=64 --target v5e
 
 The process simulates ``--devices`` CPU devices (``jax_num_cpu_devices``,
 set before JAX starts its backend) and compiles, for every optimizer, the
-whole train step on the mesh; nothing of the model's size is allocated.
+whole train step on the mesh; nothing of the model's size is allocated. With
+``--target`` it compiles for that chip instead, deviceless (`optax_gwt.targets`;
+needs JAX's compile-only plugin for it), so that memory, largest batch and
+roofline come from the chip's own compiler and figures.
 Prints the table (GiB per device, at each optimizer's largest micro-batch)
 and, with ``--out PREFIX``, writes ``PREFIX.md``, ``PREFIX.json`` and
 ``PREFIX.png`` (memory per device and largest batch against model size).
@@ -37,7 +41,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=None, help="simulated devices (default: the mesh's)")
     p.add_argument("--mesh", default="fsdp=1", help="e.g. data=2,fsdp=4,tensor=2 (axes data, fsdp, tensor)")
     p.add_argument("--hbm", type=float, default=None, help="GiB per device (default: the accelerator's)")
-    p.add_argument("--accelerator", default="h100", help="h100, h200, a100 or v5e")
+    p.add_argument("--accelerator", default="h100", help="h100, h200, a100, v5e, v6e or v5p (figures only)")
+    p.add_argument(
+        "--target",
+        default=None,
+        choices=["h100", "a100", "v5e", "v6e", "v5p"],
+        help="compile for this chip, deviceless (sets --accelerator)",
+    )
     p.add_argument("--peak-tflops", type=float, default=None, help="override the accelerator's peak")
     p.add_argument("--bandwidth-gbs", type=float, default=None, help="override its HBM bandwidth (GB/s)")
     p.add_argument("--params", choices=DTYPES, default="fp32", help="params and gradients")
@@ -78,7 +88,7 @@ def start_backend(devices: int) -> None:
 def accelerator(args: argparse.Namespace):
     from optax_gwt import plan as plan_lib
 
-    acc = plan_lib.ACCELERATORS[args.accelerator]
+    acc = plan_lib.ACCELERATORS[args.target or args.accelerator]
     return acc._replace(
         peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else acc.peak_flops,
         hbm_bandwidth=args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else acc.hbm_bandwidth,
@@ -92,7 +102,12 @@ def plan_rows(args: argparse.Namespace, sizes: dict) -> list[dict]:
 
     from optax_gwt.plan import llama, report
 
-    acc, mesh = accelerator(args), llama.make_mesh(sizes)
+    devices = None
+    if args.target:
+        from optax_gwt import targets
+
+        devices = targets.devices(args.target, math.prod(sizes.values()))
+    acc, mesh = accelerator(args), llama.make_mesh(sizes, devices)
     precision = llama.Precision(DTYPES[args.params], DTYPES[args.state], DTYPES[args.compute], args.remat)
     rows = []
     for name in args.config:
@@ -119,8 +134,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     with _extras.exit_on_missing():  # one line naming the extra, before anything starts
         _extras.check("plan", "optax_gwt.plan", "flax", *(["matplotlib"] if args.out else []))
+    if args.target:
+        from optax_gwt import targets
+
+        missing = targets.missing_compiler(args.target)
+        if missing:
+            raise SystemExit(missing)
     sizes = mesh_sizes(args.mesh)
-    start_backend(args.devices or math.prod(sizes.values()))
+    start_backend(1 if args.target else args.devices or math.prod(sizes.values()))
     from optax_gwt.plan import report
 
     start = time.perf_counter()

@@ -131,14 +131,16 @@ def loss_fn(
     return loss
 
 
-def make_mesh(sizes: dict) -> Mesh:
-    """A mesh ``data x fsdp x tensor`` (missing axes of size 1) over the first devices of the process."""
+def make_mesh(sizes: dict, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh ``data x fsdp x tensor`` (missing axes of size 1) over the first `devices` (default:
+    the process's; compile-only devices of `optax_gwt.targets` plan for a chip)."""
     shape = tuple(int(sizes.get(a, 1)) for a in AXES)
     n = math.prod(shape)
-    if n > jax.device_count():
+    devices = list(jax.devices() if devices is None else devices)
+    if n > len(devices):
         mesh = dict(zip(AXES, shape, strict=True))
-        raise ValueError(f"mesh {mesh} needs {n} devices, the process has {jax.device_count()}")
-    return Mesh(np.array(jax.devices()[:n]).reshape(shape), AXES)
+        raise ValueError(f"mesh {mesh} needs {n} devices, {len(devices)} given")
+    return Mesh(np.array(devices[:n]).reshape(shape), AXES)
 
 
 def _wants(path: tuple, ndim: int) -> list:
