@@ -134,6 +134,7 @@ def devices(name: str, n: int = 1) -> tuple[jax.Device, ...]:
     if missing:
         raise RuntimeError(missing)
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling only: other processes may too
     topology = _topology(target, n)
     if target.platform == "cuda":
         assert target.gpu is not None

@@ -19,10 +19,10 @@ TARGETS = ["h100", "v5e", "v6e"]
 
 
 def _device(name):
-    try:
-        return targets.device(name)
-    except RuntimeError as missing:
-        pytest.skip(str(missing).split(" (")[0])
+    missing = targets.missing_compiler(name)
+    if missing:
+        pytest.skip(missing)
+    return targets.device(name)
 
 
 def _compiled(tx, dtype, device):
@@ -66,3 +66,34 @@ def test_gwt_moves_fewer_bytes_than_adamw_at_level_2(target):
     adamw = entry_traffic(_compiled(optax.adamw(1e-3), jnp.float32, device), sizes)
     gwt = entry_traffic(_compiled(optax_gwt.gwt_adamw(1e-3, level=2), jnp.float32, device), sizes)
     assert gwt.bytes_read + gwt.bytes_written < 0.9 * (adamw.bytes_read + adamw.bytes_written)
+
+
+@pytest.mark.parametrize("target", ["h100", "v5e"])
+def test_the_planner_plans_for_a_chip(target):
+    """plan_step on a target's devices: the step compiled by the chip's compiler fits the budget."""
+    from optax_gwt import plan
+
+    mesh = jax.sharding.Mesh(np.array([_device(target)]), ("fsdp",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    params = {"w": jax.ShapeDtypeStruct((512, 512), jnp.float32, sharding=sharding)}
+
+    def loss(p, x):
+        return jnp.mean((x @ p["w"]) ** 2)
+
+    def batch_at(b):
+        return jax.ShapeDtypeStruct((64 * b, 512), jnp.float32, sharding=sharding)
+
+    budget = 16 * 2**20
+    result = plan.plan_step(loss, optax_gwt.gwt_adamw(1e-3, level=2), params, batch_at, budget)
+    assert result.batch > 0 and result.memory.total <= budget < result.probes[result.batch + 1]
+    assert result.memory.opt_state == optax_gwt.optimizer_state_bytes(optax_gwt.gwt_adamw(1e-3), params).total
+
+
+@pytest.mark.parametrize("target", ["h100", "v5e"])
+def test_a_mesh_of_target_devices(target):
+    """targets.devices(name, n) gives a mesh the planner's LLaMA shards over."""
+    from optax_gwt.plan import llama
+
+    _device(target)
+    mesh = llama.make_mesh({"fsdp": 4}, targets.devices(target, 4))
+    assert mesh.devices.size == 4 and all(d.platform != "cpu" for d in mesh.devices.flat)

@@ -205,9 +205,14 @@ def step_memory(compiled: Any, state: Any, batch: Any, *, params: Any) -> StepMe
 
 
 def compiled_cost(compiled: Any) -> Cost:
-    """FLOPs and bytes accessed of a compiled computation (per device; a loop's body counted once)."""
+    """FLOPs and bytes accessed of a compiled computation (per device; a loop's body counted once).
+
+    NaN where the compiler gives no cost analysis (XLA's GPU compiler, deviceless).
+    """
     c = compiled.cost_analysis()
     c = c[0] if isinstance(c, (list, tuple)) else c
+    if c is None:
+        return Cost(float("nan"), float("nan"))
     return Cost(float(c.get("flops", 0.0)), float(c.get("bytes accessed", 0.0)))
 
 
