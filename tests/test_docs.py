@@ -373,3 +373,13 @@ def test_targets_block_is_its_results_file():
         "<!-- targets-table:end -->",
     )
     assert block == read(os.path.join(REPO, "results", "targets", "update.md")).strip("\n")
+
+
+def test_plan_target_block_is_its_results_file():
+    """The planning guide's --target table is results/plan/targets/h100-fsdp64.md, as the planner wrote it."""
+    block = _between(
+        read(os.path.join(DOCS, "guides", "planning.md")),
+        "<!-- plan-target:start (results/plan/targets/h100-fsdp64.md) -->",
+        "<!-- plan-target:end -->",
+    )
+    assert block == read(os.path.join(REPO, "results", "plan", "targets", "h100-fsdp64.md")).strip("\n")
