@@ -355,3 +355,24 @@ def test_public_names_have_examples():
         if callable(obj := getattr(optax_gwt, name)) and ">>>" not in (obj.__doc__ or "")
     ]
     assert not missing, missing
+
+
+@pytest.mark.parametrize("shape,axis,level", [((16, 6), 0, 1), ((13, 5), 0, 2), ((4, 10), 1, 2), ((3, 9, 4), 1, 3)])
+def test_block_means_from_the_gradient_equal_those_from_the_approximation(shape, axis, level):
+    """GPUs and TPUs take the full-size pass's block means from g (`haar.block_means`), the CPU from the
+    approximation: the same values (to rounding), also with a short last block."""
+    from optax_gwt import haar
+
+    g = jnp.asarray(np.random.default_rng(level).standard_normal(shape), jnp.float32)
+    block = 2**level
+    approx = haar.block_sums(g, axis, block) / np.sqrt(block)
+    want = haar.repeat_blocks(approx, axis, block, shape[axis]) / np.sqrt(block)
+    np.testing.assert_allclose(haar.block_means(g, axis, block), want, rtol=1e-6, atol=1e-7)
+    # Against NumPy: each block's sum (zero-padded) over B, repeated in place.
+    blocks = -(-shape[axis] // block)
+    padded = np.concatenate(
+        [np.asarray(g), np.zeros(shape[:axis] + (blocks * block - shape[axis],) + shape[axis + 1 :], np.float32)], axis
+    )
+    sums = padded.reshape(shape[:axis] + (blocks, block) + shape[axis + 1 :]).sum(axis + 1)
+    ref = np.repeat(sums / block, block, axis=axis).take(range(shape[axis]), axis=axis)
+    np.testing.assert_allclose(haar.block_means(g, axis, block), ref, rtol=1e-6, atol=1e-7)
