@@ -68,11 +68,10 @@ def block_means(g: jax.Array, axis: int, block: int) -> jax.Array:
     ``block_sums(g) / B``), computed from `g` alone.
 
     `adam_update` uses it on GPUs and TPUs for float32 gradients and moments at levels 1
-    and 2, where the compiled
-    step (``python -m benchmarks.target_compile``) then keeps no approximation in memory
-    for its full-size pass: the pass re-reads `g`, which it reads anyway. The barrier
-    keeps XLA from sharing these block sums with the approximation's. Elsewhere the means
-    come from the approximation, which fuses better there.
+    and 2, where the compiled step (``python -m benchmarks.target_compile``) then keeps
+    no approximation in memory for its full-size pass, which reads `g` anyway. The
+    barrier keeps XLA from sharing these block sums with the approximation's. Elsewhere
+    the means come from the approximation, which fuses better there.
     """
     sums = block_sums(jax.lax.optimization_barrier(g), axis, block)
     return repeat_blocks(sums * jnp.asarray(1 / block, g.dtype), axis, block, g.shape[axis])
