@@ -383,3 +383,12 @@ def test_plan_target_block_is_its_results_file():
         "<!-- plan-target:end -->",
     )
     assert block == read(os.path.join(REPO, "results", "plan", "targets", "h100-fsdp64.md")).strip("\n")
+
+
+def test_plan_target_v5e_block_is_its_results_file():
+    block = _between(
+        read(os.path.join(DOCS, "guides", "planning.md")),
+        "<!-- plan-target-v5e:start (results/plan/targets/v5e-fsdp64.md) -->",
+        "<!-- plan-target-v5e:end -->",
+    )
+    assert block == read(os.path.join(REPO, "results", "plan", "targets", "v5e-fsdp64.md")).strip("\n")
