@@ -96,7 +96,7 @@ def _topology(target: Target, n: int) -> str:
     if target.chip == "v5p":  # 3-D: 2 x 2 x z
         return f"v5p:2x2x{max(1, -(-n // 4))}"
     chips = max(4, 1 << (n - 1).bit_length())  # 2-D slices of 4, 8, 16, ... chips
-    x = 1 << ((chips.bit_length() - 1 + 1) // 2)
+    x = 1 << (chips.bit_length() // 2)  # 4 -> 2x2, 8 -> 4x2, 64 -> 8x8
     return f"{target.chip}:{x}x{chips // x}"
 
 
