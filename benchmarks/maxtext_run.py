@@ -62,24 +62,15 @@ def gwt_get_optimizer(config, learning_rate_schedule, model=None, mesh=None) -> 
     from maxtext.optimizers import optimizers
 
     scan_axis = config.param_scan_axis if config.scan_layers else None
+    adam = dict(b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps, weight_decay=config.adam_weight_decay)
     matrices = optax_gwt.gwt_adamw(
         learning_rate_schedule,
-        b1=config.adam_b1,
-        b2=config.adam_b2,
-        eps=config.adam_eps,
-        weight_decay=config.adam_weight_decay,
+        **adam,
         level=int(os.environ.get("GWT_LEVEL", "2")),
         scale=float(os.environ.get("GWT_SCALE", "0.25")),
         axis=lambda path, x: transform_axis(x.shape, scan_axis),
     )
-    rest = optax.adamw(
-        learning_rate_schedule,
-        b1=config.adam_b1,
-        b2=config.adam_b2,
-        eps=config.adam_eps,
-        weight_decay=config.adam_weight_decay,
-        mask=optimizers.get_adamw_mask(config),
-    )
+    rest = optax.adamw(learning_rate_schedule, **adam, mask=optimizers.get_adamw_mask(config))
 
     def labels(params):
         return jax.tree_util.tree_map_with_path(lambda p, x: "gwt" if _is_layer_kernel(p, x) else "adamw", params)

@@ -28,7 +28,7 @@ import optax
 
 import optax_gwt
 from benchmarks.llama_shapes import CONFIGS, is_attention_or_mlp, llama_shapes
-from optax_gwt import targets
+from optax_gwt import plan, targets
 from optax_gwt.hlo_traffic import entry_traffic
 
 LEARNING_RATE, WEIGHT_DECAY = 1e-3, 0.01
@@ -48,26 +48,19 @@ def optimizer(name: str) -> optax.GradientTransformation:
     return optax_gwt.gwt_adamw(LEARNING_RATE, eps=1e-6, weight_decay=WEIGHT_DECAY, level=int(name.removeprefix("gwt")))
 
 
-def compile_step(tx: optax.GradientTransformation, shapes: dict, dtype: Any, device: jax.Device):
-    """The donated update step compiled for `device`."""
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    params = {k: jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for k, s in shapes.items()}
-    state = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), jax.eval_shape(tx.init, params)
-    )
-
-    def step(params, state, grads):
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile(), params
+def abstract_params(shapes: dict, dtype: Any, device: jax.Device) -> dict:
+    """The matrices as `jax.ShapeDtypeStruct` instances on `device` (a one-device mesh, as the planner takes)."""
+    mesh = jax.sharding.Mesh(np.array([device]), ("fsdp",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return {k: jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for k, s in shapes.items()}
 
 
 def measure(target: str, dtype: Any, name: str, shapes: dict) -> dict:
     """One compile's figures."""
     tx = optimizer(name)
     start = time.perf_counter()
-    compiled, params = compile_step(tx, shapes, dtype, targets.device(target))
+    params = abstract_params(shapes, dtype, targets.device(target))
+    compiled = plan.compile_update(tx, params)  # the donated step (params, state, grads) -> (params, state)
     seconds = time.perf_counter() - start
     n = sum(int(np.prod(s)) for s in shapes.values())
     text = compiled.as_text()

@@ -345,50 +345,22 @@ def test_named_files_and_modules_exist(path):
     assert not missing, f"{os.path.relpath(path, REPO)} names what does not exist: {missing}"
 
 
-def test_levanter_block_is_its_results_file():
-    """The Levanter guide's table is results/levanter/run.md, as benchmarks/levanter_run.py wrote it."""
-    block = _between(
-        read(os.path.join(DOCS, "guides", "levanter.md")),
-        "<!-- levanter-run:start (python -m benchmarks.levanter_run --steps 60 --out results/levanter/run) -->",
-        "<!-- levanter-run:end -->",
-    )
-    assert block == read(os.path.join(REPO, "results", "levanter", "run.md")).strip("\n")
+# (page, the block's opening marker, the results file it must equal), as the command in the marker wrote it.
+RESULT_BLOCKS = [
+    ("guides/levanter.md", "levanter-run", "python -m benchmarks.levanter_run --steps 60 --out results/levanter/run",
+     "results/levanter/run.md"),
+    ("guides/levanter.md", "maxtext-run", "python -m benchmarks.maxtext_run --steps 40 --out results/maxtext/run",
+     "results/maxtext/run.md"),
+    ("performance.md", "targets-table", "python -m benchmarks.target_compile --out results/targets/update",
+     "results/targets/update.md"),
+    ("guides/planning.md", "plan-target", "results/plan/targets/h100-fsdp64.md", "results/plan/targets/h100-fsdp64.md"),
+    ("guides/planning.md", "plan-target-v5e", "results/plan/targets/v5e-fsdp64.md",
+     "results/plan/targets/v5e-fsdp64.md"),
+]  # fmt: skip
 
 
-def test_maxtext_block_is_its_results_file():
-    """The guide's MaxText table is results/maxtext/run.md, as benchmarks/maxtext_run.py wrote it."""
-    block = _between(
-        read(os.path.join(DOCS, "guides", "levanter.md")),
-        "<!-- maxtext-run:start (python -m benchmarks.maxtext_run --steps 40 --out results/maxtext/run) -->",
-        "<!-- maxtext-run:end -->",
-    )
-    assert block == read(os.path.join(REPO, "results", "maxtext", "run.md")).strip("\n")
-
-
-def test_targets_block_is_its_results_file():
-    """The performance page's chip table is results/targets/update.md, as benchmarks/target_compile.py wrote it."""
-    block = _between(
-        read(os.path.join(DOCS, "performance.md")),
-        "<!-- targets-table:start (python -m benchmarks.target_compile --out results/targets/update) -->",
-        "<!-- targets-table:end -->",
-    )
-    assert block == read(os.path.join(REPO, "results", "targets", "update.md")).strip("\n")
-
-
-def test_plan_target_block_is_its_results_file():
-    """The planning guide's --target table is results/plan/targets/h100-fsdp64.md, as the planner wrote it."""
-    block = _between(
-        read(os.path.join(DOCS, "guides", "planning.md")),
-        "<!-- plan-target:start (results/plan/targets/h100-fsdp64.md) -->",
-        "<!-- plan-target:end -->",
-    )
-    assert block == read(os.path.join(REPO, "results", "plan", "targets", "h100-fsdp64.md")).strip("\n")
-
-
-def test_plan_target_v5e_block_is_its_results_file():
-    block = _between(
-        read(os.path.join(DOCS, "guides", "planning.md")),
-        "<!-- plan-target-v5e:start (results/plan/targets/v5e-fsdp64.md) -->",
-        "<!-- plan-target-v5e:end -->",
-    )
-    assert block == read(os.path.join(REPO, "results", "plan", "targets", "v5e-fsdp64.md")).strip("\n")
+@pytest.mark.parametrize("page,name,source,results", RESULT_BLOCKS, ids=[b[1] for b in RESULT_BLOCKS])
+def test_results_block_is_its_results_file(page, name, source, results):
+    """A table the docs quote from a results file is that file, as its command wrote it."""
+    block = _between(read(os.path.join(DOCS, page)), f"<!-- {name}:start ({source}) -->", f"<!-- {name}:end -->")
+    assert block == read(os.path.join(REPO, results)).strip("\n")

@@ -10,7 +10,8 @@ import optax
 import pytest
 
 import optax_gwt
-from optax_gwt import cpu_kernel, targets
+from benchmarks import target_compile
+from optax_gwt import cpu_kernel, plan, targets
 from optax_gwt.hlo_traffic import entry_traffic
 
 SHAPES = {"q": (256, 256), "up": (256, 688), "down": (688, 256)}
@@ -26,17 +27,8 @@ def _device(name):
 
 
 def _compiled(tx, dtype, device):
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    params = {k: jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for k, s in SHAPES.items()}
-    state = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), jax.eval_shape(tx.init, params)
-    )
-
-    def step(p, s, g):
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
-
-    return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile().as_text()
+    """The HLO of the donated update step (params, state, grads) -> (params, state) on `device`."""
+    return plan.compile_update(tx, target_compile.abstract_params(SHAPES, dtype, device)).as_text()
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -71,8 +63,6 @@ def test_gwt_moves_fewer_bytes_than_adamw_at_level_2(target):
 @pytest.mark.parametrize("target", ["h100", "v5e"])
 def test_the_planner_plans_for_a_chip(target):
     """plan_step on a target's devices: the step compiled by the chip's compiler fits the budget."""
-    from optax_gwt import plan
-
     mesh = jax.sharding.Mesh(np.array([_device(target)]), ("fsdp",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     params = {"w": jax.ShapeDtypeStruct((512, 512), jnp.float32, sharding=sharding)}
