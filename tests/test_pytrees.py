@@ -130,11 +130,13 @@ def test_limiter_scalars_are_plain_arrays_for_wrapped_params():
 
 
 @pytest.mark.usefixtures("x64")
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])
 @pytest.mark.parametrize("detail_rule", ["adam", "norm_ratio"])
-def test_stacked_matrices_equal_the_matrices_one_by_one(detail_rule):
+def test_stacked_matrices_equal_the_matrices_one_by_one(detail_rule, platform, lower_as):
     """A (layers, in, out) weight with batch_axes=1: each layer's steps are those of the same
     matrix optimized alone (the limiter's norm per matrix, the transform along `in`), to float64
-    rounding."""
+    rounding; also as a TPU program computes them (run here)."""
+    lower_as(platform)
     rng = np.random.default_rng(0)
     layers = 3
     stacked = {"w": jnp.asarray(rng.standard_normal((layers, 16, 6))), "b": jnp.zeros(6)}

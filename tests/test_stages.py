@@ -376,3 +376,21 @@ def test_block_means_from_the_gradient_equal_those_from_the_approximation(shape,
     sums = padded.reshape(shape[:axis] + (blocks, block) + shape[axis + 1 :]).sum(axis + 1)
     ref = np.repeat(sums / block, block, axis=axis).take(range(shape[axis]), axis=axis)
     np.testing.assert_allclose(haar.block_means(g, axis, block), ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "shape,axis,block,max_chunk",
+    [((512, 12), 0, 4, 32), ((6, 1376), 1, 4, 32), ((3, 96, 5), 1, 8, 32), ((40, 3), 0, 2, 8), ((128, 2), 0, 64, 32)],
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_chunked_block_sums_equal_numpy(shape, axis, block, max_chunk, dtype):
+    """The TPU's block sums (a contraction per run of the axis) against NumPy's in float64: to float32
+    rounding, and exact for bfloat16 inputs of up to 8 entries per block summed into float32."""
+    from optax_gwt import haar
+
+    x = np.asarray(jnp.asarray(np.random.default_rng(block).standard_normal(shape), dtype), np.float64)
+    want = np.add.reduceat(x, np.arange(0, shape[axis], block), axis=axis)
+    got = haar.chunked_block_sums(jnp.asarray(x, jnp.float32), axis, block, max_chunk)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=4e-7 * np.abs(x).max() * block)
+    if dtype == jnp.bfloat16 and block <= 8:
+        np.testing.assert_array_equal(np.asarray(got, np.float64), want)

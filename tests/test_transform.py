@@ -146,6 +146,25 @@ def test_float32_close_to_float64_reference():
             assert err <= 1e-4 * np.abs(want[k] - start[k]).max(), (seed, k, err)
 
 
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_what_a_gpu_or_tpu_compiles_equals_reference(platform, dtype, level, lower_as):
+    """The formulations chosen for GPUs and TPUs when lowering (the limiter's scalars per array,
+    block sums as a contraction, block means from the gradient), run here on the CPU: the
+    float64 reference's trajectory, to float64 rounding, or in float32 within the bound of
+    `test_float32_close_to_float64_reference`. Axis lengths that the block divides and ones
+    that it does not (a short last block). (Stacked matrices: `test_pytrees`.)"""
+    lower_as(platform)
+    shapes = {"w": (37, 6), "v": (16, 5), "sq": (64, 8), "bias": (7,)}
+    opt = optax_gwt.gwt_adamw(1e-2, weight_decay=0.1, level=level)
+    got, want, _ = _run_both(opt, ReferenceGWTAdamW(lr=1e-2, weight_decay=0.1, level=level), shapes, 5, dtype=dtype)
+    start, _ = _problem(shapes)
+    for k in want:
+        scale = 1e-9 if dtype == np.float64 else 1e-4 * np.abs(want[k] - start[k]).max()
+        np.testing.assert_allclose(np.asarray(got[k], np.float64), want[k], rtol=0, atol=scale, err_msg=k)
+
+
 def test_reference_adam_matches_optax_adam_without_eps():
     # eps placement is the only difference between the two forms of Adam.
     params, rng = _problem({"a": (6, 3)})
