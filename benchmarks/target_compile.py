@@ -6,7 +6,8 @@ For each target (`optax_gwt.targets`), dtype and optimizer, compiles the donated
 ``(params, state, grads) -> (params, state)`` of ``optax.adamw`` or ``gwt_adamw(level=L)``
 (the paper's limiter on) on the attention and MLP matrices of LLaMA-60M (25.3 M
 parameters, all under the optimizer), deviceless, and reads from the optimized HLO
-the main-memory (HBM) bytes per parameter and the kernels (`optax_gwt.hlo_traffic`),
+the main-memory (HBM) bytes per parameter, the kernels and the scalar ops (each a launch
+on a GPU; `optax_gwt.hlo_traffic`),
 and from ``memory_analysis()`` the temporaries and the peak (arguments + outputs not
 aliased to them + temporaries). The state GWT saves is AdamW's state minus GWT's.
 Writes ``<out>.json`` and ``<out>.md``. Nothing runs on a chip: no wall times.
@@ -69,6 +70,7 @@ def measure(target: str, dtype: Any, name: str, shapes: dict) -> dict:
     return {
         "bytes_per_param": (traffic.bytes_read + traffic.bytes_written) / n,
         "kernels": traffic.kernels,
+        "scalar_kernels": traffic.scalar_kernels,
         "temp_bytes": mem.temp_size_in_bytes,
         "peak_bytes": mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
         + mem.temp_size_in_bytes,
@@ -98,15 +100,15 @@ def run(target_names: list[str], dtypes: list[str], names: list[str], model: str
 
 def markdown(r: dict) -> str:
     lines = [
-        "| target | dtype | optimizer | HBM B/param | vs AdamW | kernels | vs AdamW | temporaries, MiB "
+        "| target | dtype | optimizer | HBM B/param | vs AdamW | kernels | vs AdamW | scalar ops | temporaries, MiB "
         "| temporaries / state saved | peak, MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for x in r["rows"]:
         share = "-" if x["temp_vs_saved"] is None else f"{100 * x['temp_vs_saved']:.1f}%"
         lines.append(
             f"| {x['target']} | {x['dtype']} | {x['optimizer']} | {x['bytes_per_param']:.2f} | "
-            f"{x['bytes_vs_adamw']:.2f}x | {x['kernels']} | {x['kernels_vs_adamw']:.1f}x | "
+            f"{x['bytes_vs_adamw']:.2f}x | {x['kernels']} | {x['kernels_vs_adamw']:.1f}x | {x['scalar_kernels']} | "
             f"{x['temp_bytes'] / 2**20:.1f} | {share} | {x['peak_bytes'] / 2**20:.1f} |"
         )
     return "\n".join(lines)

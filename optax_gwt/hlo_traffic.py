@@ -93,6 +93,8 @@ class Traffic(NamedTuple):
         the number of parameters, the full-size reads per parameter.
       kernels: programs the device launches: the ops that compute an array
         (rank >= 1), not the asynchronous copies and slices (DMA), not bitcasts.
+      scalar_kernels: the ops that compute scalars only (rank 0): on a GPU each
+        is a launch too; on a TPU the scalar unit runs them between kernels.
     """
 
     ops: int
@@ -103,6 +105,7 @@ class Traffic(NamedTuple):
     full_size_writes: int
     full_size_read_elements: int
     kernels: int = 0
+    scalar_kernels: int = 0
 
 
 def _arrays(text: str) -> list[Array]:
@@ -181,7 +184,7 @@ def entry_traffic(hlo_text: str, full_sizes: Iterable[int]) -> Traffic:
     full = set(int(n) for n in full_sizes)
     shapes: dict[str, list[Array]] = {}
     starts: dict[str, Instruction] = {}
-    ops = fusions = kernels = read = written = full_reads = full_writes = full_elems = 0
+    ops = fusions = kernels = scalar_kernels = read = written = full_reads = full_writes = full_elems = 0
     for ins in entry_instructions(hlo_text):
         shapes[ins.name] = _arrays(ins.result_type)
         if ins.opcode.endswith("-start"):
@@ -194,9 +197,10 @@ def entry_traffic(hlo_text: str, full_sizes: Iterable[int]) -> Traffic:
         fusions += ins.opcode == "fusion"
         dma = ins.opcode.endswith("-done") or ins.opcode.endswith("-start")
         kernels += not dma and any(a.rank > 0 for a in shapes[ins.name])
+        scalar_kernels += not dma and all(a.rank == 0 for a in shapes[ins.name])
         read += sum(a.nbytes for a in reads)
         written += sum(a.nbytes for a in writes)
         full_reads += sum(a.size in full for a in reads)
         full_elems += sum(a.size for a in reads if a.size in full)
         full_writes += sum(a.size in full for a in writes)
-    return Traffic(ops, fusions, read, written, full_reads, full_writes, full_elems, kernels)
+    return Traffic(ops, fusions, read, written, full_reads, full_writes, full_elems, kernels, scalar_kernels)

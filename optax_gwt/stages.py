@@ -345,8 +345,8 @@ def limit_norm_growth(gamma: float = 1.01, projection: WaveletProjection | None 
     first step), ``N <- N / lam`` and ``r_prev <- r / lam``: the step's norm
     grows by at most a factor `gamma` per step. The details are divided by
     ``lam`` too (`wavelet_inverse` reads it from the node). The scalar math
-    of all arrays runs on one stacked vector (a few kernels, not a few per array),
-    except on TPUs (see `_limit_factors`).
+    of all arrays runs on one stacked vector on a CPU, per array on GPUs and
+    TPUs (see `_limit_factors`).
 
     Args:
       gamma: the largest growth factor per step.
@@ -431,12 +431,13 @@ def _limit_factors(nodes: list, r_prev: list, count: jax.Array, gamma: float) ->
     """Fira's ``lam`` and the norm ``r`` of each node's step (per matrix, in its batch shape).
 
     ``r = ||approx / step_scale||`` per matrix, from the base's squared norm where it gave
-    one. On CPUs and GPUs all the arrays' scalars are one vector (a few kernels, not a few
-    per array). On TPUs each array's are its own, computed inline by the scalar unit: one
-    vector would make every array's full-size pass wait for every array's norm, so that
-    no gradient stays on chip between its two passes (``python -m
-    benchmarks.target_compile``: GWT-2 moves 0.65x AdamW's bytes per step on a TPU v5e
-    this way, 0.73x with one vector). The values are the same either way.
+    one. On a CPU all the arrays' scalars are one vector (a few ops, not a few per array).
+    On GPUs and TPUs each array's are its own: one vector makes every array's full-size
+    pass wait for every array's norm, so that all the arrays' approximations are live at
+    once (GWT-3 on an H100: 12 MiB of temporaries, 0.4 MiB per array) and no gradient
+    stays on a TPU's chip between its two passes (GWT-2 on a v5e: 0.73x AdamW's bytes,
+    0.65x per array), for about one more scalar kernel per array (``python -m
+    benchmarks.target_compile``). The values are the same either way.
     """
 
     def per_array() -> tuple[list, list]:
@@ -448,7 +449,7 @@ def _limit_factors(nodes: list, r_prev: list, count: jax.Array, gamma: float) ->
         return lams, rs
 
     return jax.lax.platform_dependent(
-        tpu=per_array, default=lambda: _stacked_limit_factors(nodes, r_prev, count, gamma)
+        cpu=lambda: _stacked_limit_factors(nodes, r_prev, count, gamma), default=per_array
     )
 
 
