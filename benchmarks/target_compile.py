@@ -4,12 +4,12 @@
 
 For each target (`optax_gwt.targets`), dtype and optimizer, compiles the donated step
 ``(params, state, grads) -> (params, state)`` of ``optax.adamw`` or ``gwt_adamw(level=L)``
-(the paper's limiter on) on the attention and MLP matrices of LLaMA-60M (25.3 M
-parameters, all under the optimizer), deviceless, and reads from the optimized HLO
-the main-memory (HBM) bytes per parameter, the kernels and the scalar ops (each a launch
-on a GPU; `optax_gwt.hlo_traffic`),
-and from ``memory_analysis()`` the temporaries and the peak (arguments + outputs not
-aliased to them + temporaries). The state GWT saves is AdamW's state minus GWT's.
+(the paper's limiter on; ``gwt2-nolimit``: off) on the attention and MLP matrices of
+LLaMA-60M (25.3 M parameters, all under the optimizer), deviceless, and reads from the
+optimized HLO the main-memory (HBM) bytes per parameter, the kernels and the scalar ops
+(each a launch on a GPU; `optax_gwt.hlo_traffic`), and from ``memory_analysis()`` the
+temporaries and the peak (arguments + outputs not aliased to them + temporaries). The
+state GWT saves is AdamW's state minus GWT's.
 Writes ``<out>.json`` and ``<out>.md``. Nothing runs on a chip: no wall times.
 """
 
@@ -43,10 +43,16 @@ def matrices(model: str = "60m") -> dict[str, tuple[int, ...]]:
 
 
 def optimizer(name: str) -> optax.GradientTransformation:
-    """``adamw`` or ``gwt<level>``."""
+    """``adamw``, ``gwt<level>``, or ``gwt<level>-nolimit``: GWT without the norm-growth limiter,
+    whose bytes bound from below those of any limiter that needs no pass of its own (such as
+    one that reads the previous step's norm)."""
     if name == "adamw":
         return optax.adamw(LEARNING_RATE, eps=1e-6, weight_decay=WEIGHT_DECAY)
-    return optax_gwt.gwt_adamw(LEARNING_RATE, eps=1e-6, weight_decay=WEIGHT_DECAY, level=int(name.removeprefix("gwt")))
+    level, _, variant = name.removeprefix("gwt").partition("-")
+    limit = {"": 1.01, "nolimit": None}[variant]
+    return optax_gwt.gwt_adamw(
+        LEARNING_RATE, eps=1e-6, weight_decay=WEIGHT_DECAY, level=int(level), norm_growth_limit=limit
+    )
 
 
 def abstract_params(shapes: dict, dtype: Any, device: jax.Device) -> dict:
@@ -118,7 +124,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--targets", nargs="+", default=["h100", "v5e", "v6e"], choices=sorted(targets.TARGETS))
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    p.add_argument("--optimizers", nargs="+", default=["gwt1", "gwt2", "gwt3"])
+    p.add_argument("--optimizers", nargs="+", default=["gwt1", "gwt2", "gwt3", "gwt2-nolimit"])
     p.add_argument("--out", default="results/targets/update")
     args = p.parse_args(argv)
     r = run(args.targets, args.dtypes, args.optimizers)

@@ -9,6 +9,8 @@ neighbouring elementwise work, so that a GWT step reads each full-size array at
 most twice and writes no full-size temporary. (A reshape to ``(n / B, B, ...)``
 with a reduction or a broadcast along the middle axis computes the same values
 but compiles, on XLA CPU, to a separate reduction pass and a slow strided loop.)
+On TPUs the block sums are a small contraction instead (`chunked_block_sums`),
+chosen when JAX lowers the program for one.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def block_sums(x: jax.Array, axis: int, block: int) -> jax.Array:
     """Sums of consecutive blocks of `block` entries along `axis`.
 
     On a TPU, where `block` divides the axis, the sums are a contraction of runs
-    of at most `TPU_CHUNK` entries with a 0/1 matrix (`chunked_block_sums`),
+    of at most ``TPU_CHUNK`` (32) entries with a 0/1 matrix (`chunked_block_sums`),
     which XLA fuses there with the work around it; elsewhere, strided slices.
 
     Args:
