@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks import write_results
+
 MODEL = {"hidden_dim": 64, "intermediate_dim": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 SEQ_LEN, BATCH = 64, 16
 
@@ -233,10 +235,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     shutil.rmtree(Path(args.workdir) / "checkpoints", ignore_errors=True)
     r = run_all(Path(args.workdir).resolve(), steps=args.steps)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    Path(args.out + ".json").write_text(json.dumps(r, indent=1))
     table = markdown(r, every=max(1, args.steps // 12))
-    Path(args.out + ".md").write_text(table + "\n")
+    write_results(args.out, r, table)
     plot(r, args.out + ".png")
     print(table)
 

@@ -32,6 +32,7 @@ import jax
 import optax
 
 import optax_gwt
+from benchmarks import write_results
 
 MODEL = [
     "base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=256",
@@ -160,9 +161,7 @@ def main(argv=None) -> None:
     for name, (optimizer, scale) in RUNS.items():
         r[name] = run(workdir, optimizer, args.steps, args.learning_rate, scale)
     r["versions"] = {"maxtext": maxtext.__version__, "jax": jax.__version__, "optax": optax.__version__}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    Path(args.out + ".json").write_text(json.dumps(r, indent=1))
-    Path(args.out + ".md").write_text(markdown(r) + "\n")
+    write_results(args.out, r, markdown(r))
     print(markdown(r))
 
 

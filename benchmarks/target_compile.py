@@ -16,10 +16,7 @@ Writes ``<out>.json`` and ``<out>.md``. Nothing runs on a chip: no wall times.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -28,6 +25,7 @@ import numpy as np
 import optax
 
 import optax_gwt
+from benchmarks import write_results
 from benchmarks.llama_shapes import CONFIGS, is_attention_or_mlp, llama_shapes
 from optax_gwt import plan, targets
 from optax_gwt.hlo_traffic import entry_traffic
@@ -129,9 +127,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     r = run(args.targets, args.dtypes, args.optimizers)
     r["jax"] = jax.__version__
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    Path(args.out + ".json").write_text(json.dumps(r, indent=1))
-    Path(args.out + ".md").write_text(markdown(r) + "\n")
+    write_results(args.out, r, markdown(r))
     print(markdown(r))
 
 
