@@ -160,6 +160,25 @@ def test_stacked_matrices_equal_the_matrices_one_by_one(detail_rule, platform, l
         np.testing.assert_allclose(np.asarray(got["w"][layer]), np.asarray(want["w"]), rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("platform", ["cpu", "cuda", "tpu"])
+def test_vmapped_over_layers_equals_the_matrices_one_by_one(platform, lower_as):
+    """``jax.vmap`` of the update over stacked layers (as the planner's ``over_layers``): in float32,
+    where GPU and TPU programs take a matrix's block means from its gradient but a vmapped one
+    from its approximation (`haar._block_means_of_one_matrix`), each layer's steps are those of
+    the matrix alone, to float32 rounding."""
+    lower_as(platform)
+    rng = np.random.default_rng(1)
+    layers = 3
+    stacked = {"w": jnp.asarray(rng.standard_normal((layers, 16, 6)), jnp.float32)}
+    grads = [{"w": jnp.asarray(rng.standard_normal((layers, 16, 6)), jnp.float32)} for _ in range(4)]
+    tx = optax_gwt.gwt_adamw(1e-2, level=2, weight_decay=0.1)
+    vmapped = optax.GradientTransformation(jax.vmap(tx.init), jax.vmap(tx.update))
+    got = _steps(vmapped, stacked, lambda i: grads[i], n=4)[-1]
+    for layer in range(layers):
+        alone = _steps(tx, {"w": stacked["w"][layer]}, lambda i, j=layer: {"w": grads[i]["w"][j]}, n=4)[-1]
+        np.testing.assert_allclose(np.asarray(got["w"][layer]), np.asarray(alone["w"]), rtol=2e-6, atol=2e-6)
+
+
 def test_batch_axes_errors_and_selection():
     params = {"w": jnp.zeros((2, 8, 4)), "v": jnp.zeros((2, 8)), "b": jnp.zeros(4)}
     specs, _ = optax_gwt.WaveletProjection(level=1, batch_axes=1).leaf_specs(params)
