@@ -5,17 +5,20 @@
 For each target (`optax_gwt.targets`), dtype and optimizer, compiles the donated step
 ``(params, state, grads) -> (params, state)`` of ``optax.adamw`` or ``gwt_adamw(level=L)``
 (the paper's limiter on; ``gwt2-nolimit``: off) on the attention and MLP matrices of
-LLaMA-60M (25.3 M parameters, all under the optimizer), deviceless, and reads from the
-optimized HLO the main-memory (HBM) bytes per parameter, the kernels and the scalar ops
-(each a launch on a GPU; `optax_gwt.hlo_traffic`), and from ``memory_analysis()`` the
-temporaries and the peak (arguments + outputs not aliased to them + temporaries). The
-state GWT saves is AdamW's state minus GWT's.
+LLaMA-60M (25.3 M parameters, all under the optimizer; ``-stacked``: the 8 layers'
+matrices stacked, ``batch_axes=1``; ``-vmapped``: stacked, the update under
+``jax.vmap``), deviceless, and reads from the optimized HLO the main-memory (HBM) bytes
+per parameter, the kernels and the scalar ops (each a launch on a GPU;
+`optax_gwt.hlo_traffic`), and from ``memory_analysis()`` the temporaries and the peak
+(arguments + outputs not aliased to them + temporaries). The state GWT saves is AdamW's
+state minus GWT's.
 Writes ``<out>.json`` and ``<out>.md``. Nothing runs on a chip: no wall times.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from typing import Any
 
@@ -40,17 +43,38 @@ def matrices(model: str = "60m") -> dict[str, tuple[int, ...]]:
     return {jax.tree_util.keystr(p): s for p, s in leaves if is_attention_or_mlp(p)}
 
 
+def stacked(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The same matrices stacked over the layers, ``(L, m, n)`` per kind (scanned layers)."""
+    kinds: dict[str, list[tuple[int, ...]]] = {}
+    for path, shape in shapes.items():
+        kinds.setdefault(re.sub(r"\['layer_\d+'\]", "", path), []).append(shape)
+    return {kind: (len(s), *s[0]) for kind, s in kinds.items()}
+
+
+def _variant(name: str) -> tuple[str, str]:
+    """``("gwt2", "stacked")`` for ``"gwt2-stacked"``."""
+    base, _, variant = name.partition("-")
+    return base, variant
+
+
 def optimizer(name: str) -> optax.GradientTransformation:
-    """``adamw``, ``gwt<level>``, or ``gwt<level>-nolimit``: GWT without the norm-growth limiter,
-    whose bytes bound from below those of any limiter that needs no pass of its own (such as
-    one that reads the previous step's norm)."""
-    if name == "adamw":
+    """``adamw`` or ``gwt<level>``, plain or with a variant: ``-nolimit``, GWT without the
+    norm-growth limiter (whose bytes bound from below those of any limiter that needs no
+    pass of its own, such as one that reads the previous step's norm); ``-stacked``, on the
+    layers stacked with ``batch_axes=1``; ``-vmapped``, on them under ``jax.vmap`` over the
+    layers (as the planner's ``over_layers``)."""
+    base, variant = _variant(name)
+    if base == "adamw":
         return optax.adamw(LEARNING_RATE, eps=1e-6, weight_decay=WEIGHT_DECAY)
-    level, _, variant = name.removeprefix("gwt").partition("-")
-    limit = {"": 1.01, "nolimit": None}[variant]
-    return optax_gwt.gwt_adamw(
-        LEARNING_RATE, eps=1e-6, weight_decay=WEIGHT_DECAY, level=int(level), norm_growth_limit=limit
+    tx = optax_gwt.gwt_adamw(
+        LEARNING_RATE,
+        eps=1e-6,
+        weight_decay=WEIGHT_DECAY,
+        level=int(base.removeprefix("gwt")),
+        norm_growth_limit=None if variant == "nolimit" else 1.01,
+        batch_axes=1 if variant == "stacked" else 0,
     )
+    return optax.GradientTransformation(jax.vmap(tx.init), jax.vmap(tx.update)) if variant == "vmapped" else tx
 
 
 def abstract_params(shapes: dict, dtype: Any, device: jax.Device) -> dict:
@@ -61,8 +85,10 @@ def abstract_params(shapes: dict, dtype: Any, device: jax.Device) -> dict:
 
 
 def measure(target: str, dtype: Any, name: str, shapes: dict) -> dict:
-    """One compile's figures."""
+    """One compile's figures (on the layers stacked for a stacked or vmapped variant)."""
     tx = optimizer(name)
+    if _variant(name)[1] in ("stacked", "vmapped"):
+        shapes = stacked(shapes)
     start = time.perf_counter()
     params = abstract_params(shapes, dtype, targets.device(target))
     compiled = plan.compile_update(tx, params)  # the donated step (params, state, grads) -> (params, state)
@@ -91,10 +117,11 @@ def run(target_names: list[str], dtypes: list[str], names: list[str], model: str
         for dtype in dtypes:
             rows = {name: measure(target, jnp.dtype(dtype), name, shapes) for name in ["adamw", *names]}
             for name, r in rows.items():
-                saved = rows["adamw"]["state_bytes"] - r["state_bytes"]
+                adamw = rows["adamw-stacked" if _variant(name)[1] in ("stacked", "vmapped") else "adamw"]
+                saved = adamw["state_bytes"] - r["state_bytes"]
                 r.update(target=target, dtype=dtype, optimizer=name, state_saved_bytes=saved)
-                r["bytes_vs_adamw"] = r["bytes_per_param"] / rows["adamw"]["bytes_per_param"]
-                r["kernels_vs_adamw"] = r["kernels"] / rows["adamw"]["kernels"]
+                r["bytes_vs_adamw"] = r["bytes_per_param"] / adamw["bytes_per_param"]
+                r["kernels_vs_adamw"] = r["kernels"] / adamw["kernels"]
                 r["temp_vs_saved"] = r["temp_bytes"] / saved if saved else None
                 out["rows"].append(r)
                 print(f"{target} {dtype} {name}: {r['bytes_per_param']:.2f} B/param, {r['kernels']} kernels, "
@@ -122,7 +149,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--targets", nargs="+", default=["h100", "v5e", "v6e"], choices=sorted(targets.TARGETS))
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    p.add_argument("--optimizers", nargs="+", default=["gwt1", "gwt2", "gwt3", "gwt2-nolimit"])
+    p.add_argument(
+        "--optimizers",
+        nargs="+",
+        default=["gwt1", "gwt2", "gwt3", "gwt2-nolimit", "adamw-stacked", "gwt2-stacked", "gwt2-vmapped"],
+        help="after adamw; a -stacked or -vmapped GWT is compared with adamw-stacked, which must come first",
+    )
     p.add_argument("--out", default="results/targets/update")
     args = p.parse_args(argv)
     r = run(args.targets, args.dtypes, args.optimizers)
