@@ -31,7 +31,23 @@ def test_on_chip_memory_spaces_move_nothing():
     )
     t = entry_traffic(text, [1024])
     assert (t.bytes_read, t.bytes_written) == (4096, 4096)
-    assert t.kernels == 2  # the scalar add launches no kernel of its own
+    assert t.kernels == 2  # the scalar add is no array kernel
+    assert t.scalar_kernels == 1  # it is a scalar op (a launch on a GPU)
+
+
+def test_scalar_ops_are_counted_apart_from_array_kernels():
+    """A fusion with a scalar and an array result is an array kernel; one with scalar results only
+    (a tuple of them too) is a scalar op; parameters, constants and tuples are neither."""
+    text = _hlo(
+        "%p0 = f32[64]{0} parameter(0)",
+        "%c = f32[] constant(1)",
+        "%r = (f32[], f32[64]{0}) fusion(%p0), kind=kInput, calls=%c1",
+        "%s1 = f32[] fusion(%c), kind=kLoop, calls=%c2",
+        "%s2 = (f32[], s32[]) fusion(%s1), kind=kLoop, calls=%c3",
+        "ROOT %t = (f32[], s32[]) tuple(%s1, %s1)",
+    )
+    t = entry_traffic(text, [64])
+    assert (t.kernels, t.scalar_kernels) == (1, 2)
 
 
 def test_async_copy_counted_once_at_its_real_size():
