@@ -108,9 +108,9 @@ def block_means(g: jax.Array, axis: int, block: int) -> jax.Array:
     `adam_update` uses it on GPUs and TPUs for float32 gradients and moments at levels 1
     and 2 of a plain matrix (not a stack of them), where the compiled step (``python -m
     benchmarks.target_compile``) then keeps no approximation in memory for its full-size
-    pass, which reads `g` anyway. The
-    barrier keeps XLA from sharing these block sums with the approximation's. Elsewhere
-    the means come from the approximation, which fuses better there.
+    pass, which reads `g` anyway. The barrier keeps XLA from sharing these block sums
+    with the approximation's. Elsewhere the means come from the approximation, which
+    fuses better there.
     """
     sums = block_sums(jax.lax.optimization_barrier(g), axis, block)
     return repeat_blocks(sums * jnp.asarray(1 / block, g.dtype), axis, block, g.shape[axis])
@@ -118,10 +118,9 @@ def block_means(g: jax.Array, axis: int, block: int) -> jax.Array:
 
 def _block_means_of_one_matrix(axis: int, block: int):
     """``f(g, means)``: `block_means` of `g` for one matrix, and the given ``means`` (the same
-    values, from the approximation) where `g` is a batch of matrices under `jax.vmap`, whose
-    compiled step reads `g` once more with `block_means` (``python -m benchmarks.target_compile``:
-    GWT-2 on the planner's stacked layers, TPU v5e float32: 37.8 B/param with, 24.9 without).
-    Its derivative is that of `block_means` (the means given are taken as computed from `g`)."""
+    values, from the approximation) where `g` is a batch of matrices under `jax.vmap` (the
+    planner's ``over_layers``), whose compiled step would read `g` once more for them. Its
+    derivative is that of `block_means` (the means given are taken as computed from `g`)."""
 
     @jax.custom_batching.custom_vmap
     def means(g, given):
@@ -197,10 +196,10 @@ def adam_update(
         return repeat_blocks(x.astype(dtype), axis, block, n)
 
     s = jnp.asarray(block**-0.5, dtype)
-    mean = rep(approx) * s
+    mean = from_approx = rep(approx) * s
     if jnp.dtype(mu.dtype) == jnp.float32 and dtype == jnp.float32 and block <= 4 and g.ndim == 2:
-        means = _block_means_of_one_matrix(axis, block)
-        mean = jax.lax.platform_dependent(cpu=lambda: mean, default=lambda m=mean: means(g, m))
+        from_g = _block_means_of_one_matrix(axis, block)
+        mean = jax.lax.platform_dependent(cpu=lambda: from_approx, default=lambda: from_g(g, from_approx))
     detail = g - mean
     # ``+ 0 * g`` (exact: a non-finite G already makes the whole update NaN) keeps
     # XLA from hoisting the square root before the repeat, where it would be

@@ -436,7 +436,7 @@ def _limit_factors(nodes: list, r_prev: list, count: jax.Array, gamma: float) ->
     pass wait for every array's norm, so that all the arrays' approximations are live at
     once (GWT-3 on an H100: 12 MiB of temporaries, 0.4 MiB per array) and no gradient
     stays on a TPU's chip between its two passes (GWT-2 on a v5e: 0.73x AdamW's bytes,
-    0.65x per array), for about one more scalar kernel per array (``python -m
+    0.64x per array), for about one more scalar kernel per array (``python -m
     benchmarks.target_compile``). The values are the same either way.
     """
 
