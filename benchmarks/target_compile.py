@@ -57,6 +57,10 @@ def _variant(name: str) -> tuple[str, str]:
     return base, variant
 
 
+def _on_stacked_layers(name: str) -> bool:
+    return _variant(name)[1] in ("stacked", "vmapped")
+
+
 def optimizer(name: str) -> optax.GradientTransformation:
     """``adamw`` or ``gwt<level>``, plain or with a variant: ``-nolimit``, GWT without the
     norm-growth limiter (whose bytes bound from below those of any limiter that needs no
@@ -74,7 +78,11 @@ def optimizer(name: str) -> optax.GradientTransformation:
         norm_growth_limit=None if variant == "nolimit" else 1.01,
         batch_axes=1 if variant == "stacked" else 0,
     )
-    return optax.GradientTransformation(jax.vmap(tx.init), jax.vmap(tx.update)) if variant == "vmapped" else tx
+    if variant == "vmapped":
+        from optax_gwt.plan.llama import over_layers  # needs Flax (the plan extra)
+
+        return over_layers(tx)
+    return tx
 
 
 def abstract_params(shapes: dict, dtype: Any, device: jax.Device) -> dict:
@@ -87,7 +95,7 @@ def abstract_params(shapes: dict, dtype: Any, device: jax.Device) -> dict:
 def measure(target: str, dtype: Any, name: str, shapes: dict) -> dict:
     """One compile's figures (on the layers stacked for a stacked or vmapped variant)."""
     tx = optimizer(name)
-    if _variant(name)[1] in ("stacked", "vmapped"):
+    if _on_stacked_layers(name):
         shapes = stacked(shapes)
     start = time.perf_counter()
     params = abstract_params(shapes, dtype, targets.device(target))
@@ -117,7 +125,7 @@ def run(target_names: list[str], dtypes: list[str], names: list[str], model: str
         for dtype in dtypes:
             rows = {name: measure(target, jnp.dtype(dtype), name, shapes) for name in ["adamw", *names]}
             for name, r in rows.items():
-                adamw = rows["adamw-stacked" if _variant(name)[1] in ("stacked", "vmapped") else "adamw"]
+                adamw = rows["adamw-stacked" if _on_stacked_layers(name) else "adamw"]
                 saved = adamw["state_bytes"] - r["state_bytes"]
                 r.update(target=target, dtype=dtype, optimizer=name, state_saved_bytes=saved)
                 r["bytes_vs_adamw"] = r["bytes_per_param"] / adamw["bytes_per_param"]
