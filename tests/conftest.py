@@ -12,6 +12,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="optax-gwt-tests-xla-cache-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
+# LLVM's optimisations change how fast the generated code runs, not what it computes or
+# XLA's buffers: the tests skip them (a tenth of the run; the planner does the same).
+# The subprocesses inherit the flag; those that simulate devices append their count.
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+
 import jax  # noqa: E402  (reads the variables above when imported)
 import pytest  # noqa: E402
 

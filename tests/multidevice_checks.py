@@ -205,7 +205,9 @@ def test_sharded_training_equals_single_device(name):
         p, s, loss = step(p, s, *jax.device_put(sharded_train.global_batch(t), bsh))
         losses.append(float(loss))
     ref_losses, ref_params = reference_training(chosen_axes(CASES[name][1], CASES[name][3]), 4)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    # Measured: 7e-6 at most with LLVM's optimisations, 2e-5 without them (the tests' setting);
+    # a mis-sharded step is off by 1e-2 or more.
+    np.testing.assert_allclose(losses, ref_losses, rtol=5e-5)
     moved = max(
         float(np.max(np.abs(a - b)))
         for a, b in zip(jax.tree_util.tree_leaves(ref_params), jax.tree_util.tree_leaves(params), strict=True)

@@ -208,7 +208,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     if args.devices_per_process is not None:
-        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices_per_process}"
+        count = f" --xla_force_host_platform_device_count={args.devices_per_process}"
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + count  # the last count given wins
     import jax
     import numpy as np
     import orbax.checkpoint as ocp

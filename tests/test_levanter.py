@@ -105,7 +105,8 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_moments_sharded_like_their_params_on_eight_devices():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", SHARDED], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
@@ -125,7 +126,7 @@ def test_train_lm_with_gwt_trains_and_resumes_bit_for_bit(tmp_path):
     hidden matrices' state is a quarter of Levanter's adam's."""
     from benchmarks import levanter_run
 
-    r = levanter_run.run_all(tmp_path, steps=8)
+    r = levanter_run.run_all(tmp_path, steps=8, baseline=False)  # adam's losses are the benchmark's, not asserted
     print(levanter_run.markdown(r))
     gwt = r["gwt"]
     assert all(np.isfinite(v) for v in gwt.values()) and gwt[max(gwt)] < gwt[min(gwt)]

@@ -109,7 +109,7 @@ print(json.dumps(out))
 def test_sharded_totals_fall_with_devices():
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
         "JAX_PLATFORMS": "cpu",
     }
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

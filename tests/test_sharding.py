@@ -135,9 +135,8 @@ def test_per_device_bytes_against_shard_shapes():
 def _env(devices=None):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.pop("XLA_FLAGS", None)
-    if devices is not None:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    # The last of two device counts wins: this one, not one the caller may have set.
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices or 1}"
     return env
 
 
