@@ -1,6 +1,6 @@
 """Levanter's own ``train_lm`` with ``type: gwt`` (and ``adam`` beside it), offline, on 8 simulated CPU devices.
 
-    python -m benchmarks.levanter_run --steps 60 --out results/levanter/run   # where optax-gwt[levanter] is installed
+    python -m benchmarks.levanter_run --steps 60 --out results/levanter/run   # with optax-gwt[levanter,plan]
 
 A local word-level tokenizer and a small jsonl corpus are made first (no hub, no
 download); each run is ``python -m optax_gwt.levanter.train_lm --config_path <yaml>``
@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import write_results
+from optax_gwt import _extras
 
 MODEL = {"hidden_dim": 64, "intermediate_dim": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 SEQ_LEN, BATCH = 64, 16
@@ -234,6 +235,7 @@ def main(argv=None) -> None:
     p.add_argument("--workdir", default="runs/levanter")
     p.add_argument("--steps", type=int, default=60, help="training steps of each run (even)")
     args = p.parse_args(argv)
+    _extras.check("plan", "python -m benchmarks.levanter_run (its plot)", "matplotlib")  # before the runs
     shutil.rmtree(Path(args.workdir) / "checkpoints", ignore_errors=True)
     r = run_all(Path(args.workdir).resolve(), steps=args.steps)
     table = markdown(r, every=max(1, args.steps // 12))
@@ -243,4 +245,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with _extras.exit_on_missing():
+        main()

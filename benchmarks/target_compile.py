@@ -7,7 +7,8 @@ For each target (`optax_gwt.targets`), dtype and optimizer, compiles the donated
 (the paper's limiter on; ``gwt2-nolimit``: off) on the attention and MLP matrices of
 LLaMA-60M (25.3 M parameters, all under the optimizer; ``-stacked``: the 8 layers'
 matrices stacked, ``batch_axes=1``; ``-vmapped``: stacked, the update under
-``jax.vmap``), deviceless, and reads from the optimized HLO the main-memory (HBM) bytes
+``jax.vmap``), or of another size's first layers (``--model 7b --layers 1``: one layer's
+seven matrices, 202 M parameters), deviceless, and reads from the optimized HLO the main-memory (HBM) bytes
 per parameter, the kernels and the scalar ops (each a launch on a GPU;
 `optax_gwt.hlo_traffic`), and from ``memory_analysis()`` the temporaries and the peak
 (arguments + outputs not aliased to them + temporaries). The state GWT saves is AdamW's
@@ -29,18 +30,20 @@ import optax
 
 import optax_gwt
 from benchmarks import write_results
-from benchmarks.llama_shapes import CONFIGS, is_attention_or_mlp, llama_shapes
+from benchmarks.llama_shapes import is_attention_or_mlp, llama_shapes
 from optax_gwt import plan, targets
 from optax_gwt.hlo_traffic import entry_traffic
+from optax_gwt.models.llama_config import CONFIGS
 
 LEARNING_RATE, WEIGHT_DECAY = 1e-3, 0.01
 
 
-def matrices(model: str = "60m") -> dict[str, tuple[int, ...]]:
-    """The attention and MLP kernels' shapes, by path."""
+def matrices(model: str = "60m", layers: int | None = None) -> dict[str, tuple[int, ...]]:
+    """The attention and MLP kernels' shapes, by path (of the first `layers` layers; None: all)."""
     shapes = llama_shapes(CONFIGS[model])
     leaves = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]
-    return {jax.tree_util.keystr(p): s for p, s in leaves if is_attention_or_mlp(p)}
+    out = {jax.tree_util.keystr(p): s for p, s in leaves if is_attention_or_mlp(p)}
+    return {k: s for k, s in out.items() if layers is None or int(re.search(r"layer_(\d+)", k)[1]) < layers}
 
 
 def stacked(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
@@ -118,9 +121,16 @@ def measure(target: str, dtype: Any, name: str, shapes: dict) -> dict:
     }  # fmt: skip
 
 
-def run(target_names: list[str], dtypes: list[str], names: list[str], model: str = "60m") -> dict:
-    shapes = matrices(model)
-    out: dict[str, Any] = {"model": model, "params": sum(int(np.prod(s)) for s in shapes.values()), "rows": []}
+def run(
+    target_names: list[str], dtypes: list[str], names: list[str], model: str = "60m", layers: int | None = None
+) -> dict:
+    shapes = matrices(model, layers)
+    out: dict[str, Any] = {
+        "model": model,
+        "layers": layers,
+        "params": sum(int(np.prod(s)) for s in shapes.values()),
+        "rows": [],
+    }
     for target in target_names:
         for dtype in dtypes:
             rows = {name: measure(target, jnp.dtype(dtype), name, shapes) for name in ["adamw", *names]}
@@ -163,9 +173,11 @@ def main(argv=None) -> None:
         default=["gwt1", "gwt2", "gwt3", "gwt2-nolimit", "adamw-stacked", "gwt2-stacked", "gwt2-vmapped"],
         help="after adamw; a -stacked or -vmapped GWT is compared with adamw-stacked, which must come first",
     )
+    p.add_argument("--model", default="60m", choices=sorted(CONFIGS), help="the LLaMA whose matrices are updated")
+    p.add_argument("--layers", type=int, default=None, help="only the first N layers' matrices (default: all)")
     p.add_argument("--out", default="results/targets/update")
     args = p.parse_args(argv)
-    r = run(args.targets, args.dtypes, args.optimizers)
+    r = run(args.targets, args.dtypes, args.optimizers, args.model, args.layers)
     r["jax"] = jax.__version__
     write_results(args.out, r, markdown(r))
     print(markdown(r))

@@ -353,6 +353,10 @@ RESULT_BLOCKS = [
      "results/maxtext/run.md"),
     ("performance.md", "targets-table", "python -m benchmarks.target_compile --out results/targets/update",
      "results/targets/update.md"),
+    ("performance.md", "targets-1b", "python -m benchmarks.target_compile --model 1b --layers 1 --optimizers gwt1 gwt2 "
+     "gwt3 --out results/targets/update-1b-layer", "results/targets/update-1b-layer.md"),
+    ("performance.md", "targets-7b", "python -m benchmarks.target_compile --model 7b --layers 1 --optimizers gwt1 gwt2 "
+     "gwt3 --out results/targets/update-7b-layer", "results/targets/update-7b-layer.md"),
     ("guides/planning.md", "plan-target", "results/plan/targets/h100-fsdp64.md", "results/plan/targets/h100-fsdp64.md"),
     ("guides/planning.md", "plan-target-v5e", "results/plan/targets/v5e-fsdp64.md",
      "results/plan/targets/v5e-fsdp64.md"),
