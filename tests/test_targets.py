@@ -102,3 +102,11 @@ def test_a_mesh_of_target_devices(target):
     _device(target)
     mesh = llama.make_mesh({"fsdp": 4}, targets.devices(target, 4))
     assert mesh.devices.size == 4 and all(d.platform != "cpu" for d in mesh.devices.flat)
+
+
+def test_the_benchmark_takes_one_layer_of_a_larger_model():
+    """``--model 7b --layers 1``: the seven matrices of the first layer (no compile: runs anywhere)."""
+    shapes = target_compile.matrices("7b", layers=1)
+    assert all("layer_0" in path for path in shapes)
+    assert sorted(shapes.values()) == sorted([(4096, 4096)] * 4 + [(4096, 11008)] * 2 + [(11008, 4096)])
+    assert len(target_compile.matrices("60m", layers=2)) == 14 and len(target_compile.matrices("60m")) == 7 * 8
