@@ -8,7 +8,9 @@ on a tiny config (slow: a few compiles of the scanned decoder).
 from __future__ import annotations
 
 import doctest
+import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -74,6 +76,25 @@ def test_plan_step_fits_the_budget_and_roofline():
     assert result.probes[result.batch + 1] > one + 40_000
     speed = plan.roofline(result, plan.ACCELERATORS["h100"], tokens_per_step=16 * result.batch)
     assert speed.tokens_per_s > 0 and 0 < speed.update_share < 1
+
+
+def test_a_micro_batch_the_compiler_refuses_does_not_fit(monkeypatch):
+    """A TPU's compiler raises RESOURCE_EXHAUSTED for a program over the chip's memory, where
+    others give its memory analysis: that micro-batch does not fit; any other error is raised."""
+    compile_step = plan.compile_step
+
+    def refusing(loss_fn, tx, params, batch, message="RESOURCE_EXHAUSTED: Ran out of memory on HBM"):
+        if batch[0].shape[0] > 16 * 5:  # micro-batch 6 and up
+            raise jax.errors.JaxRuntimeError(message)
+        return compile_step(loss_fn, tx, params, batch)
+
+    monkeypatch.setattr(plan, "compile_step", refusing)
+    tx = optax_gwt.gwt_adamw(1e-3, level=2)
+    result = plan.plan_step(toy_loss, tx, toy_params(), toy_batch, budget=2**40)
+    assert result.batch == 5 and result.probes[6] == math.inf
+    monkeypatch.setattr(plan, "compile_step", functools.partial(refusing, message="INTERNAL: something else"))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        plan.plan_step(toy_loss, tx, toy_params(), toy_batch, budget=2**40)
 
 
 def test_docstring_examples():

@@ -228,7 +228,7 @@ def _guess(probes: dict, budget: int, lo: int, hi: int) -> int:
     if len(fitting) == 1 and hi not in probes:
         return min(16, hi - 1)
     lines = [tuple(fitting[-2:])] if next(reversed(probes)) == lo and len(fitting) > 1 else []
-    lines += [(lo, hi)] if hi in probes else []
+    lines += [(lo, hi)] if hi in probes and math.isfinite(probes[hi]) else []  # inf: refused, bytes unknown
     for b0, b1 in lines:
         slope = (probes[b1] - probes[b0]) / (b1 - b0)
         if slope > 0:
@@ -236,7 +236,7 @@ def _guess(probes: dict, budget: int, lo: int, hi: int) -> int:
     return (lo + hi) // 2 if hi in probes else hi - 1
 
 
-def largest_batch(total_bytes: Callable[[int], int], budget: int, max_batch: int = 4096) -> tuple[int, dict]:
+def largest_batch(total_bytes: Callable[[int], float], budget: int, max_batch: int = 4096) -> tuple[int, dict]:
     """The largest batch ``b <= max_batch`` with ``total_bytes(b) <= budget`` (0 if none).
 
     Each probe is one compile, so the bracket ``[lo, hi)`` (``lo`` fits,
@@ -267,6 +267,12 @@ def largest_batch(total_bytes: Callable[[int], int], budget: int, max_batch: int
     return lo, probes
 
 
+def _refused_for_memory(error: Exception) -> bool:
+    """A TPU's compiler refuses a program whose buffers exceed the chip's memory (where XLA for a
+    CPU or a GPU gives its memory analysis): such a probe does not fit."""
+    return "RESOURCE_EXHAUSTED" in str(error)
+
+
 def plan_step(
     loss_fn: Callable,
     optimizer: optax.GradientTransformation,
@@ -292,6 +298,8 @@ def plan_step(
 
     Returns:
       A `StepPlan`; at batch 1 (memory, cost) when even that does not fit, with ``batch=0``.
+      A micro-batch the chip's compiler refuses for memory (a TPU's does) is in its
+      ``probes`` as ``math.inf`` bytes.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax_gwt
@@ -309,7 +317,15 @@ def plan_step(
         compiled, state = compiled_at(b)
         return step_memory(compiled, state, batch_at(b), params=params)
 
-    batch, probes = largest_batch(lambda b: memory_at(b).total, budget, max_batch)
+    def total_at(b: int) -> float:
+        try:
+            return memory_at(b).total
+        except jax.errors.JaxRuntimeError as e:
+            if not _refused_for_memory(e):
+                raise
+            return math.inf
+
+    batch, probes = largest_batch(total_at, budget, max_batch)
     b = max(batch, 1)
     update_cost = compiled_cost(compile_update(optimizer, params))
     if grad_cost is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 
 from optax_gwt import plan as plan_lib
@@ -64,7 +65,8 @@ def row(
         "tokens_per_s_flops": tokens * accelerator.peak_flops / plan.cost.flops if plan.batch else 0.0,
         "update_share": speed.update_share,
         "bound": speed.bound,
-        "compile_probes": {int(b): int(v) for b, v in plan.probes.items()},
+        # None: the chip's compiler refused that micro-batch for memory
+        "compile_probes": {int(b): None if math.isinf(v) else int(v) for b, v in plan.probes.items()},
         "seconds": plan.seconds,
     }
 
