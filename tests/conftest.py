@@ -12,9 +12,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="optax-gwt-tests-xla-cache-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
-# LLVM's optimisations change how fast the generated code runs, not what it computes or
-# XLA's buffers: the tests skip them (a tenth of the run; the planner does the same).
-# The subprocesses inherit the flag; those that simulate devices append their count.
+# LLVM's optimisations change how fast the generated code runs and, at float32 rounding,
+# the order some sums are taken in; not XLA's fusions or buffers. The tests skip them (a
+# tenth of the run; the planner does the same). The subprocesses inherit the flag; those
+# that simulate devices append their count.
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
 
 import jax  # noqa: E402  (reads the variables above when imported)
