@@ -360,6 +360,8 @@ RESULT_BLOCKS = [
     ("guides/planning.md", "plan-target", "results/plan/targets/h100-fsdp64.md", "results/plan/targets/h100-fsdp64.md"),
     ("guides/planning.md", "plan-target-v5e", "results/plan/targets/v5e-fsdp64.md",
      "results/plan/targets/v5e-fsdp64.md"),
+    ("guides/planning.md", "plan-target-v6e", "results/plan/targets/v6e-fsdp64.md",
+     "results/plan/targets/v6e-fsdp64.md"),
 ]  # fmt: skip
 
 
