@@ -15,10 +15,14 @@ chosen when JAX lowers the program for one.
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_gwt import tpu_kernel
 from optax_gwt.sharding import _explicit_sharding
 
 __all__ = ["block_sums", "chunked_block_sums", "repeat_blocks", "block_means", "adam_update"]
@@ -156,6 +160,9 @@ def adam_update(
     approx_factor: jax.Array,
     detail_factor: jax.Array,
     residual: float | jax.Array | None = None,
+    scale: float = 1.0,
+    out_dtype: Any = None,
+    storage_dtype: Any = None,
 ) -> jax.Array:
     """Haar GWT's update of one array with a diagonal Adam step on its approximation.
 
@@ -184,13 +191,71 @@ def adam_update(
       residual: ``rho``, or None: adds ``(rho * (G - mean))^2`` to the
         repeated ``nu`` under the square root (FOAM's residual in the second
         moment).
+      scale, out_dtype: the result is ``(scale * update).astype(out_dtype)``
+        (default: `g`'s dtype).
+      storage_dtype: a dtype `g` converts to exactly (it was upcast from it), or
+        None: on a TPU, where `tpu_kernel` computes the update of a matrix, the
+        kernel reads `g` in it.
+
+    On a TPU a matrix transformed along its rows goes to `tpu_kernel` (same
+    arithmetic, in VMEM tiles) where its tiling fits; XLA elsewhere.
     """
-    n = g.shape[axis]
-    dtype = g.dtype
     # A barrier (no copy, no work): without it XLA shares this pass's cast of the moments
     # with the limiter's norm, and XLA CPU then writes float32 copies of half-precision
     # moments for that reduction instead of reading them directly.
     mu, nu = jax.lax.optimization_barrier((mu, nu))
+    out_dtype = jnp.dtype(g.dtype if out_dtype is None else out_dtype)
+
+    def xla():
+        u = _xla_update(
+            g, approx, mu, nu, axis=axis, block=block, eps=eps, approx_factor=approx_factor,
+            detail_factor=detail_factor, residual=residual,
+        )  # fmt: skip
+        unscaled = isinstance(scale, (int, float)) and scale == 1.0
+        return u if unscaled and out_dtype == u.dtype else (u * jnp.asarray(scale, u.dtype)).astype(out_dtype)
+
+    factors = (eps, approx_factor, detail_factor, 0.0 if residual is None else residual, scale)
+    if not _tpu_kernel_applies(g, (approx, mu, nu), axis, block, factors):
+        return xla()
+    scalars = jnp.stack([jnp.asarray(f, jnp.float32) for f in factors])
+    stored = g if storage_dtype is None else g.astype(storage_dtype)  # XLA drops the round trip
+
+    def kernel():
+        return tpu_kernel.haar_adam_update(
+            stored, approx, mu, nu, scalars, block=block, residual=residual is not None, compute=g.dtype,
+            out=out_dtype, fallback=_update_from_scalars,
+        )  # fmt: skip
+
+    return jax.lax.platform_dependent(tpu=kernel, default=xla)
+
+
+def _tpu_kernel_applies(g, small: tuple, axis: int, block: int, factors: tuple) -> bool:
+    """Whether `adam_update` takes `tpu_kernel` on a TPU: its tiling fits, the arrays are at
+    most 32-bit (its float32 scalars then round as the XLA path's casts do), and it is not
+    switched off (``OPTAX_GWT_TPU_KERNEL=0``)."""
+    if os.environ.get("OPTAX_GWT_TPU_KERNEL", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    arrays = (g, *small, *(f for f in factors if f is not None))
+    if any(jnp.dtype(jnp.result_type(a)).itemsize > 4 for a in arrays):
+        return False
+    return block in (2, 4) and tpu_kernel.applies(g, small, axis, block)
+
+
+def _update_from_scalars(g, approx, mu, nu, scalars, *, block: int, residual: bool, compute, out) -> jax.Array:
+    """`adam_update` by XLA along axis 0 with its scalars ``[eps, approx_factor,
+    detail_factor, rho, scale]`` in one array (`tpu_kernel`'s fallback)."""
+    rho = scalars[3] if residual else None
+    u = _xla_update(
+        g.astype(compute), approx, mu, nu, axis=0, block=block, eps=scalars[0], approx_factor=scalars[1],
+        detail_factor=scalars[2], residual=rho,
+    )  # fmt: skip
+    return (u * scalars[4].astype(compute)).astype(out)
+
+
+def _xla_update(g, approx, mu, nu, *, axis, block, eps, approx_factor, detail_factor, residual) -> jax.Array:
+    """`adam_update`'s expression for XLA to fuse (the block values repeated in place)."""
+    n = g.shape[axis]
+    dtype = g.dtype
 
     def rep(x):
         return repeat_blocks(x.astype(dtype), axis, block, n)

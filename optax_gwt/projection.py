@@ -308,6 +308,8 @@ class WaveletCoefficients:
       sharding: static: the gradient's sharding on a mesh of explicit axes, else None.
       exact: static: whether ``approx`` equals the `adam` formula (the base is a
         `GWTBase`), so that `wavelet_inverse` may rebuild it from the moments.
+      signal_dtype: static: the gradient's own dtype, which `signal` (upcast to the
+        compute dtype) converts back to exactly; None without a signal.
 
     Example:
       >>> import jax.numpy as jnp, optax_gwt
@@ -329,6 +331,7 @@ class WaveletCoefficients:
     spec: LeafSpec = dataclasses.field(default=cast(LeafSpec, None), metadata=dict(static=True))
     sharding: Any = dataclasses.field(default=None, metadata=dict(static=True))
     exact: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    signal_dtype: Any = dataclasses.field(default=None, metadata=dict(static=True))
 
     def replace(self, **changes) -> WaveletCoefficients:
         return dataclasses.replace(self, **changes)
@@ -368,6 +371,7 @@ def project_leaf(g: jax.Array, spec: LeafSpec) -> WaveletCoefficients:
         grad_approx=cA,
         spec=spec,
         sharding=sharding_lib._explicit_sharding(g),
+        signal_dtype=None if signal is None else jnp.dtype(g.dtype),
     )
 
 

@@ -549,8 +549,11 @@ def _resolve_rule(x: WaveletCoefficients, rule: str) -> str:
     return rule
 
 
-def _adam_update(x: WaveletCoefficients, bias_correct_details: bool, residual_scale: float | None) -> jax.Array:
-    """The full-size update of one Haar node (before `scale`), rebuilt from the base's moments.
+def _adam_update(
+    x: WaveletCoefficients, bias_correct_details: bool, residual_scale: float | None, scale: float
+) -> jax.Array:
+    """The full-size update of one Haar node times `scale`, rebuilt from the base's moments,
+    in the node's dtype.
 
     One full-size pass (`haar.adam_update`) for both rules that read the moments:
 
@@ -576,21 +579,26 @@ def _adam_update(x: WaveletCoefficients, bias_correct_details: bool, residual_sc
         approx_factor=x.adam.step * units / lam,
         detail_factor=_adam_detail_factor(x, bias_correct_details) * (1.0 if rho is None else rho) / lam,
         residual=rho,
+        scale=scale,
+        out_dtype=x.spec.dtype,
+        storage_dtype=x.signal_dtype,
     )
 
 
 def _inverse_node(
-    x: WaveletCoefficients, rule: str, bias_correct_details: bool, clip: float | None, residual_scale: float
-) -> jax.Array:
-    """The full-size update of one node (before `scale`), in its compute dtype."""
+    x: WaveletCoefficients, rule: str, bias_correct_details: bool, clip: float | None, residual_scale: float,
+    scale: float,
+) -> jax.Array:  # fmt: skip
+    """The full-size update of one node times `scale`, in the node's dtype."""
     rule = _resolve_rule(x, rule)
     if rule == "residual":
-        return _adam_update(x, bias_correct_details, residual_scale)
+        return _adam_update(x, bias_correct_details, residual_scale, scale)
     # A `GWTBase` Adam's step equals its moments' formula: in Haar closed form (where
     # project_leaf carries the gradient) it is rebuilt inside the full-size pass.
     if rule == "adam" and clip is None and x.exact and x.spec.closed_form:
-        return _adam_update(x, bias_correct_details, None)
-    return inverse_leaf(x, _detail_weight(x, rule, bias_correct_details), clip)
+        return _adam_update(x, bias_correct_details, None, scale)
+    u = inverse_leaf(x, _detail_weight(x, rule, bias_correct_details), clip)
+    return (u * jnp.asarray(scale, u.dtype)).astype(x.spec.dtype)
 
 
 def wavelet_inverse(
@@ -661,8 +669,7 @@ def wavelet_inverse(
     def one(x):
         if not is_coefficients(x):
             return x
-        u = _inverse_node(x, detail_rule, bias_correct_details, detail_clip, residual_scale)
-        u = (u * jnp.asarray(scale, u.dtype)).astype(x.spec.dtype)
+        u = _inverse_node(x, detail_rule, bias_correct_details, detail_clip, residual_scale, scale)
         return sharding_lib.reshard_to(u, x.sharding)
 
     def update_fn(updates, state, params=None):

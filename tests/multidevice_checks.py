@@ -385,3 +385,37 @@ def test_eager_init_state_follows_the_params(make):
     # ... and the update runs on that state.
     updates, _ = jax.jit(make().update)(sharded, state, sharded)
     assert updates["w"].sharding.spec == P(None, "fsdp")
+
+
+@pytest.mark.parametrize("shape,spec,block", [((512, 1024), P("data", "model"), 2), ((512, 1024), P(None, "model"), 4)])
+def test_tpu_kernel_runs_per_device_only(shape, spec, block, monkeypatch):
+    """optax_gwt.tpu_kernel (in Pallas's interpreter) on a mesh: a program XLA partitions takes
+    the XLA path (a custom call's operands would be gathered); the body of a `jax.shard_map`
+    runs the kernel on each device's shard. Both give the one-device update."""
+    from optax_gwt import haar, tpu_kernel
+
+    lowered = []
+    pallas_update = tpu_kernel._pallas_update
+    monkeypatch.setattr(tpu_kernel, "_pallas_update", lambda *a, **k: lowered.append(1) or pallas_update(*a, **k))
+    mesh = mesh_of({"data": 2, "model": 4})
+    rng = np.random.default_rng(0)
+    g = jnp.asarray(rng.normal(size=shape), jnp.float32)
+    small = [jnp.asarray(rng.random(size=(shape[0] // block, shape[1])), jnp.float32) for _ in range(3)]
+    scalars = jnp.asarray([1e-8, 1.3, 0.7, 0.0, 0.25], jnp.float32)
+
+    def update(g, approx, mu, nu, scalars):
+        return tpu_kernel.haar_adam_update(
+            g, approx, mu, nu, scalars, block=block, residual=False, compute=jnp.float32, out=jnp.float32,
+            fallback=haar._update_from_scalars, interpret=True,
+        )  # fmt: skip
+
+    expected = jax.jit(update)(g, *small, scalars)
+    assert lowered == [1]
+    sharding = NamedSharding(mesh, spec)
+    args = [jax.device_put(x, sharding) for x in (g, *small)] + [scalars]
+    np.testing.assert_array_equal(jax.jit(update, out_shardings=sharding)(*args), expected)
+    assert lowered == [1]
+    # check_vma=False: Pallas's interpreter (not Mosaic) mixes varying and replicated values.
+    per_shard = jax.shard_map(update, mesh=mesh, in_specs=(spec,) * 4 + (P(),), out_specs=spec, check_vma=False)
+    np.testing.assert_array_equal(jax.jit(per_shard)(*args), expected)
+    assert lowered == [1, 1]

@@ -110,3 +110,41 @@ def test_the_benchmark_takes_one_layer_of_a_larger_model():
     assert all("layer_0" in path for path in shapes)
     assert sorted(shapes.values()) == sorted([(4096, 4096)] * 4 + [(4096, 11008)] * 2 + [(11008, 4096)])
     assert len(target_compile.matrices("60m", layers=2)) == 14 and len(target_compile.matrices("60m")) == 7 * 8
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_tpus_take_the_pallas_kernel_for_the_full_size_pass(target):
+    """`optax_gwt.tpu_kernel` (a Mosaic custom call) where its tiling fits, on the TPUs only."""
+    text = _compiled(optax_gwt.gwt_adamw(1e-3, level=2), jnp.bfloat16, _device(target))
+    assert ("tpu_custom_call" in text) == target.startswith("v")
+    level3 = _compiled(optax_gwt.gwt_adamw(1e-3, level=3), jnp.float32, _device(target))
+    assert "tpu_custom_call" not in level3  # blocks of 8 rows: XLA's own pass moves fewer bytes
+
+
+@pytest.mark.parametrize("spec", [("fsdp", None), (None, "fsdp")])
+def test_the_pallas_kernel_on_a_tpu_mesh(spec):
+    """On 4 v5e chips: a step that XLA partitions keeps the XLA path (a custom call's operands
+    would be gathered) and gathers nothing; under `jax.shard_map` each chip runs the kernel."""
+    from optax_gwt import haar, tpu_kernel
+    from optax_gwt.plan import llama
+
+    _device("v5e")
+    mesh = llama.make_mesh({"fsdp": 4}, targets.devices("v5e", 4))
+    pspec = jax.sharding.PartitionSpec(*spec)
+    sharding = jax.sharding.NamedSharding(mesh, pspec)
+    params = {"w": jax.ShapeDtypeStruct((2048, 1024), jnp.float32, sharding=sharding)}
+    text = plan.compile_update(optax_gwt.gwt_adamw(1e-3, level=2), params).as_text()
+    assert "tpu_custom_call" not in text and "all-gather" not in text
+
+    def update(g, approx, mu, nu, scalars):
+        return tpu_kernel.haar_adam_update(
+            g, approx, mu, nu, scalars, block=2, residual=False, compute=jnp.float32, out=jnp.bfloat16,
+            fallback=haar._update_from_scalars,
+        )  # fmt: skip
+
+    replicated = jax.sharding.PartitionSpec()
+    per_chip = jax.shard_map(update, mesh=mesh, in_specs=(pspec,) * 4 + (replicated,), out_specs=pspec)
+    g = jax.ShapeDtypeStruct((2048, 1024), jnp.bfloat16, sharding=sharding)
+    small = jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=sharding)
+    scalars = jax.ShapeDtypeStruct((5,), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, replicated))
+    assert "tpu_custom_call" in jax.jit(per_chip).lower(g, small, small, small, scalars).compile().as_text()
