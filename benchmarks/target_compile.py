@@ -8,11 +8,13 @@ For each target (`optax_gwt.targets`), dtype and optimizer, compiles the donated
 LLaMA-60M (25.3 M parameters, all under the optimizer; ``-stacked``: the 8 layers'
 matrices stacked, ``batch_axes=1``; ``-vmapped``: stacked, the update under
 ``jax.vmap``), or of another size's first layers (``--model 7b --layers 1``: one layer's
-seven matrices, 202 M parameters), deviceless, and reads from the optimized HLO the main-memory (HBM) bytes
-per parameter, the kernels and the scalar ops (each a launch on a GPU;
-`optax_gwt.hlo_traffic`), and from ``memory_analysis()`` the temporaries and the peak
-(arguments + outputs not aliased to them + temporaries). The state GWT saves is AdamW's
-state minus GWT's.
+seven matrices, 202 M parameters), deviceless, and reads from the optimized HLO the
+main-memory (HBM) bytes per parameter, the kernels and the scalar ops (each a launch on a
+GPU; `optax_gwt.hlo_traffic`), and from ``memory_analysis()`` the temporaries and the
+peak (arguments + outputs not aliased to them + temporaries). The state GWT saves is
+AdamW's state minus GWT's. ``--step train`` compiles a train step instead, whose
+gradients come from its own backward pass (`compile_train`): the peak is then what a
+training run's step needs beyond its model's activations.
 Writes ``<out>.json`` and ``<out>.md``. Nothing runs on a chip: no wall times.
 """
 
@@ -95,14 +97,40 @@ def abstract_params(shapes: dict, dtype: Any, device: jax.Device) -> dict:
     return {k: jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for k, s in shapes.items()}
 
 
-def measure(target: str, dtype: Any, name: str, shapes: dict) -> dict:
-    """One compile's figures (on the layers stacked for a stacked or vmapped variant)."""
+#: Tokens of each matrix's input in the train step (`compile_train`).
+TOKENS = 256
+
+
+def compile_train(tx: optax.GradientTransformation, params: dict) -> Any:
+    """The donated train step ``(params, state, inputs) -> (params, state)`` of the loss
+    ``sum_W mean((x_W @ W)^2)``, each matrix ``W`` (or stack of them) with an input ``x_W``
+    of `TOKENS` rows: the gradients are the backward pass's, inside the program."""
+    state = plan.abstract_state(tx, params)
+
+    def step(params, state, inputs):
+        def loss(p):
+            return sum(jnp.mean(jnp.square(inputs[k] @ w).astype(jnp.float32)) for k, w in p.items())
+
+        updates, state = tx.update(jax.grad(loss)(params), state, params)
+        return optax.apply_updates(params, updates), state
+
+    def input_of(w):
+        return jax.ShapeDtypeStruct((*w.shape[:-2], TOKENS, w.shape[-2]), w.dtype, sharding=w.sharding)
+
+    inputs = {k: input_of(w) for k, w in params.items()}
+    return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, inputs).compile()
+
+
+def measure(target: str, dtype: Any, name: str, shapes: dict, step: str = "update") -> dict:
+    """One compile's figures (on the layers stacked for a stacked or vmapped variant) of the
+    donated update step ``(params, state, grads) -> (params, state)`` or, for ``step="train"``,
+    of `compile_train`'s step."""
     tx = optimizer(name)
     if _on_stacked_layers(name):
         shapes = stacked(shapes)
     start = time.perf_counter()
     params = abstract_params(shapes, dtype, targets.device(target))
-    compiled = plan.compile_update(tx, params)  # the donated step (params, state, grads) -> (params, state)
+    compiled = plan.compile_update(tx, params) if step == "update" else compile_train(tx, params)
     seconds = time.perf_counter() - start
     n = sum(int(np.prod(s)) for s in shapes.values())
     text = compiled.as_text()
@@ -122,18 +150,24 @@ def measure(target: str, dtype: Any, name: str, shapes: dict) -> dict:
 
 
 def run(
-    target_names: list[str], dtypes: list[str], names: list[str], model: str = "60m", layers: int | None = None
+    target_names: list[str],
+    dtypes: list[str],
+    names: list[str],
+    model: str = "60m",
+    layers: int | None = None,
+    step: str = "update",
 ) -> dict:
     shapes = matrices(model, layers)
     out: dict[str, Any] = {
         "model": model,
         "layers": layers,
+        "step": step,
         "params": sum(int(np.prod(s)) for s in shapes.values()),
         "rows": [],
     }
     for target in target_names:
         for dtype in dtypes:
-            rows = {name: measure(target, jnp.dtype(dtype), name, shapes) for name in ["adamw", *names]}
+            rows = {name: measure(target, jnp.dtype(dtype), name, shapes, step) for name in ["adamw", *names]}
             for name, r in rows.items():
                 adamw = rows["adamw-stacked" if _on_stacked_layers(name) else "adamw"]
                 saved = adamw["state_bytes"] - r["state_bytes"]
@@ -141,6 +175,7 @@ def run(
                 r["bytes_vs_adamw"] = r["bytes_per_param"] / adamw["bytes_per_param"]
                 r["kernels_vs_adamw"] = r["kernels"] / adamw["kernels"]
                 r["temp_vs_saved"] = r["temp_bytes"] / saved if saved else None
+                r["peak_vs_adamw"] = r["peak_bytes"] / adamw["peak_bytes"]
                 out["rows"].append(r)
                 print(f"{target} {dtype} {name}: {r['bytes_per_param']:.2f} B/param, {r['kernels']} kernels, "
                       f"temp {r['temp_bytes'] / 2**20:.1f} MiB ({r['compile_s']:.1f} s)", flush=True)  # fmt: skip
@@ -150,15 +185,15 @@ def run(
 def markdown(r: dict) -> str:
     lines = [
         "| target | dtype | optimizer | HBM B/param | vs AdamW | kernels | vs AdamW | scalar ops | temporaries, MiB "
-        "| temporaries / state saved | peak, MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| temporaries / state saved | peak, MiB | vs AdamW |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for x in r["rows"]:
         share = "-" if x["temp_vs_saved"] is None else f"{100 * x['temp_vs_saved']:.1f}%"
         lines.append(
             f"| {x['target']} | {x['dtype']} | {x['optimizer']} | {x['bytes_per_param']:.2f} | "
             f"{x['bytes_vs_adamw']:.2f}x | {x['kernels']} | {x['kernels_vs_adamw']:.1f}x | {x['scalar_kernels']} | "
-            f"{x['temp_bytes'] / 2**20:.1f} | {share} | {x['peak_bytes'] / 2**20:.1f} |"
+            f"{x['temp_bytes'] / 2**20:.1f} | {share} | {x['peak_bytes'] / 2**20:.1f} | {x['peak_vs_adamw']:.2f}x |"
         )
     return "\n".join(lines)
 
@@ -175,9 +210,15 @@ def main(argv=None) -> None:
     )
     p.add_argument("--model", default="60m", choices=sorted(CONFIGS), help="the LLaMA whose matrices are updated")
     p.add_argument("--layers", type=int, default=None, help="only the first N layers' matrices (default: all)")
+    p.add_argument(
+        "--step",
+        default="update",
+        choices=["update", "train"],
+        help="the donated update step (grads an argument) or a train step (grads from its backward pass)",
+    )
     p.add_argument("--out", default="results/targets/update")
     args = p.parse_args(argv)
-    r = run(args.targets, args.dtypes, args.optimizers, args.model, args.layers)
+    r = run(args.targets, args.dtypes, args.optimizers, args.model, args.layers, args.step)
     r["jax"] = jax.__version__
     write_results(args.out, r, markdown(r))
     print(markdown(r))

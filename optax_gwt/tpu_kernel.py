@@ -109,6 +109,10 @@ def _pallas_update(g, approx, mu, nu, scalars, *, block: int, residual: bool, co
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), full, per_block, per_block, per_block],
         out_specs=full,
         scratch_shapes=[pltpu.VMEM((rows, LANES), jnp.float32) for _ in narrow],
+        # The update takes the gradient's buffer: in a train step, where the gradient is the
+        # backward pass's and dead after this, no full-size temporary is added (where the
+        # gradient is an argument of the program, XLA copies it first).
+        input_output_aliases={1: 0} if jnp.dtype(g.dtype) == jnp.dtype(out) else {},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
     )(scalars, g, approx, mu, nu)
