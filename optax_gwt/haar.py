@@ -15,6 +15,7 @@ chosen when JAX lowers the program for one.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -230,15 +231,17 @@ def adam_update(
 
 
 def _tpu_kernel_applies(g, small: tuple, axis: int, block: int, factors: tuple) -> bool:
-    """Whether `adam_update` takes `tpu_kernel` on a TPU: its tiling fits, the arrays are at
-    most 32-bit (its float32 scalars then round as the XLA path's casts do), and it is not
-    switched off (``OPTAX_GWT_TPU_KERNEL=0``)."""
+    """Whether `adam_update` takes `tpu_kernel` on a TPU: a matrix of at least
+    ``tpu_kernel.MIN_ENTRIES`` along its rows at levels 1 or 2 (blocks of 8 rows are the TPU's
+    own tiles, which XLA handles), arrays of at most 32 bits (its float32 scalars then round
+    as the XLA path's casts do), and not switched off (``OPTAX_GWT_TPU_KERNEL=0``)."""
     if os.environ.get("OPTAX_GWT_TPU_KERNEL", "1").lower() in ("0", "false", "no", "off"):
         return False
     arrays = (g, *small, *(f for f in factors if f is not None))
     if any(jnp.dtype(jnp.result_type(a)).itemsize > 4 for a in arrays):
         return False
-    return block in (2, 4) and tpu_kernel.applies(g, small, axis, block)
+    big = math.prod(g.shape) >= tpu_kernel.MIN_ENTRIES
+    return big and block in (2, 4) and tpu_kernel.applies(g, small, axis, block)
 
 
 def _update_from_scalars(g, approx, mu, nu, scalars, *, block: int, residual: bool, compute, out) -> jax.Array:

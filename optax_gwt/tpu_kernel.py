@@ -48,6 +48,12 @@ __all__ = ["applies", "haar_adam_update"]
 LANES = 128
 #: The most gradient rows per tile (1 MiB of float32 per buffer, double-buffered in and out).
 MAX_ROWS = 2048
+#: The fewest entries of a matrix that `haar.adam_update` gives the kernel. Below, XLA keeps
+#: the full-size pass's intermediates in the TPU's VMEM and its step moves fewer bytes than
+#: one with the kernel, whose update goes through HBM (``python -m benchmarks.target_compile
+#: --step train``: LLaMA-60M, 512 x 1376, and 1B's 2048 x 2048 keep them; from 2048 x 5461 XLA
+#: writes its repeats to HBM).
+MIN_ENTRIES = 2**23
 
 
 def tile_rows(n: int, block: int, small_itemsize: int) -> int:

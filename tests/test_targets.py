@@ -114,11 +114,17 @@ def test_the_benchmark_takes_one_layer_of_a_larger_model():
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_tpus_take_the_pallas_kernel_for_the_full_size_pass(target):
-    """`optax_gwt.tpu_kernel` (a Mosaic custom call) where its tiling fits, on the TPUs only."""
-    text = _compiled(optax_gwt.gwt_adamw(1e-3, level=2), jnp.bfloat16, _device(target))
-    assert ("tpu_custom_call" in text) == target.startswith("v")
-    level3 = _compiled(optax_gwt.gwt_adamw(1e-3, level=3), jnp.float32, _device(target))
-    assert "tpu_custom_call" not in level3  # blocks of 8 rows: XLA's own pass moves fewer bytes
+    """`optax_gwt.tpu_kernel` (a Mosaic custom call) for a large matrix, on the TPUs only."""
+    device = _device(target)
+
+    def compiled(level, shapes):
+        params = target_compile.abstract_params(shapes, jnp.bfloat16, device)
+        return plan.compile_update(optax_gwt.gwt_adamw(1e-3, level=level), params).as_text()
+
+    large = {"w": (2048, 4096)}  # tpu_kernel.MIN_ENTRIES
+    assert ("tpu_custom_call" in compiled(2, large)) == target.startswith("v")
+    assert "tpu_custom_call" not in compiled(3, large)  # blocks of 8 rows: XLA's own pass
+    assert "tpu_custom_call" not in compiled(2, SHAPES)  # small: XLA keeps the pass on chip
 
 
 @pytest.mark.parametrize("spec", [("fsdp", None), (None, "fsdp")])

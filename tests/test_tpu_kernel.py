@@ -123,3 +123,21 @@ def test_tiles_are_whole_blocks_of_tpu_tiles():
     assert tpu_kernel.tile_rows(4096, 2, 4) == tpu_kernel.MAX_ROWS
     assert tpu_kernel.tile_rows(48, 4, 4) == 64  # one tile, past the array's end
     assert tpu_kernel.tile_rows(11008, 4, 2) % 64 == 0  # 16-bit per-block tiles: 16 rows
+
+
+@pytest.mark.parametrize(
+    "shape,block,dtype,env,taken",
+    [
+        ((2048, 4096), 4, jnp.float32, None, True),
+        ((2048, 4096), 2, jnp.bfloat16, None, True),
+        ((2048, 4096), 8, jnp.float32, None, False),  # level 3: XLA's pass
+        ((2048, 2048), 4, jnp.float32, None, False),  # small: XLA keeps it on chip
+        ((2048, 4096), 4, jnp.float32, "0", False),
+    ],
+)
+def test_where_adam_update_takes_the_kernel_on_a_tpu(shape, block, dtype, env, taken, monkeypatch):
+    if env is not None:
+        monkeypatch.setenv("OPTAX_GWT_TPU_KERNEL", env)
+    g = jax.ShapeDtypeStruct(shape, dtype)
+    small = (jax.ShapeDtypeStruct((shape[0] // block, shape[1]), dtype),) * 3
+    assert haar._tpu_kernel_applies(g, small, 0, block, (1e-8, 1.0, 1.0, None, 0.25)) == taken
