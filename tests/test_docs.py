@@ -359,8 +359,8 @@ RESULT_BLOCKS = [
      "gwt3 --out results/targets/update-7b-layer", "results/targets/update-7b-layer.md"),
     ("performance.md", "targets-train", "python -m benchmarks.target_compile --optimizers gwt1 gwt2 gwt3 --step train "
      "--out results/targets/train", "results/targets/train.md"),
-    ("performance.md", "targets-train-7b", "python -m benchmarks.target_compile --model 7b --layers 1 --optimizers gwt1 "
-     "gwt2 gwt3 --step train --out results/targets/train-7b-layer", "results/targets/train-7b-layer.md"),
+    ("performance.md", "targets-train-7b", "python -m benchmarks.target_compile --model 7b --layers 1 --optimizers "
+     "gwt1 gwt2 gwt3 --step train --out results/targets/train-7b-layer", "results/targets/train-7b-layer.md"),
     ("performance.md", "targets-train-7b-xla", "OPTAX_GWT_TPU_KERNEL=0 python -m benchmarks.target_compile --model 7b "
      "--layers 1 --optimizers gwt1 gwt2 gwt3 --step train --targets v5e v6e --out results/targets/train-7b-layer-xla",
      "results/targets/train-7b-layer-xla.md"),
