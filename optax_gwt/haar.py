@@ -198,8 +198,9 @@ def adam_update(
         None: on a TPU, where `tpu_kernel` computes the update of a matrix, the
         kernel reads `g` in it.
 
-    On a TPU a matrix transformed along its rows goes to `tpu_kernel` (same
-    arithmetic, in VMEM tiles) where its tiling fits; XLA elsewhere.
+    On a TPU a matrix of at least ``tpu_kernel.MIN_ENTRIES`` entries transformed
+    along its rows at levels 1 or 2 goes to `tpu_kernel` (the same arithmetic, in
+    VMEM tiles); XLA elsewhere.
     """
     # A barrier (no copy, no work): without it XLA shares this pass's cast of the moments
     # with the limiter's norm, and XLA CPU then writes float32 copies of half-precision

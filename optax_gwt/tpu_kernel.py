@@ -4,7 +4,7 @@
 ``B = 2^level`` times along the transform axis. On a TPU, where an array's rows
 sit in tiles of 8, a repeat over 2 or 4 rows is a shuffle inside a tile that XLA
 does not fuse into the elementwise pass: for matrices of 1B and 7B models (from
-about 2048 x 5504) it writes the repeated arrays to HBM at full size, and the step
+about 2048 x 5461) it writes the repeated arrays to HBM at full size, and the step
 moves more bytes than AdamW's (``python -m benchmarks.target_compile --model 7b
 --layers 1``, docs/performance.md).
 
@@ -13,8 +13,9 @@ over tiles of ``(rows, 128)`` of the gradient: with ``q = rows / B``, the ``(q, 
 tiles of the per-block arrays line up one to one with the gradient's rows
 ``k, k + B, k + 2B, ...`` for each ``k < B``, which a strided load reads and a
 strided store writes back. Mosaic's strided accesses need 32-bit data on a
-128-lane buffer, so a 16-bit gradient goes through a float32 copy in VMEM (exact
-both ways); the arithmetic is the XLA path's, op by op, in the gradient's dtype.
+128-lane buffer, so a 16-bit gradient or update goes through a float32 copy in VMEM
+(exact both ways); the arithmetic is the XLA path's, op by op, in the compute dtype
+(float32 for a 16-bit gradient, as GWT computes everywhere).
 
 It is a custom call, which XLA's SPMD partitioner cannot split: the kernel is taken
 where the program runs as written on each device (one device, or the body of a
