@@ -10,7 +10,8 @@ most twice and writes no full-size temporary. (A reshape to ``(n / B, B, ...)``
 with a reduction or a broadcast along the middle axis computes the same values
 but compiles, on XLA CPU, to a separate reduction pass and a slow strided loop.)
 On TPUs the block sums are a small contraction instead (`chunked_block_sums`),
-chosen when JAX lowers the program for one.
+chosen when JAX lowers the program for one, and the full-size pass of a large matrix
+is a Pallas kernel (`optax_gwt.tpu_kernel`).
 """
 
 from __future__ import annotations
@@ -238,8 +239,8 @@ def _tpu_kernel_applies(g, small: tuple, axis: int, block: int, factors: tuple) 
     as the XLA path's casts do), and not switched off (``OPTAX_GWT_TPU_KERNEL=0``)."""
     if os.environ.get("OPTAX_GWT_TPU_KERNEL", "1").lower() in ("0", "false", "no", "off"):
         return False
-    arrays = (g, *small, *(f for f in factors if f is not None))
-    if any(jnp.dtype(jnp.result_type(a)).itemsize > 4 for a in arrays):
+    arrays = (g, *small, *factors)  # Python numbers are cast as the XLA path casts them
+    if any(jnp.dtype(a.dtype).itemsize > 4 for a in arrays if hasattr(a, "dtype")):
         return False
     big = math.prod(g.shape) >= tpu_kernel.MIN_ENTRIES
     return big and block in (2, 4) and tpu_kernel.applies(g, small, axis, block)
