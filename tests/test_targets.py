@@ -138,7 +138,7 @@ def test_the_pallas_kernel_on_a_tpu_mesh(spec):
     mesh = llama.make_mesh({"fsdp": 4}, targets.devices("v5e", 4))
     pspec = jax.sharding.PartitionSpec(*spec)
     sharding = jax.sharding.NamedSharding(mesh, pspec)
-    params = {"w": jax.ShapeDtypeStruct((2048, 1024), jnp.float32, sharding=sharding)}
+    params = {"w": jax.ShapeDtypeStruct((4096, 2048), jnp.float32, sharding=sharding)}  # tpu_kernel.MIN_ENTRIES
     text = plan.compile_update(optax_gwt.gwt_adamw(1e-3, level=2), params).as_text()
     assert "tpu_custom_call" not in text and "all-gather" not in text
 
@@ -150,7 +150,7 @@ def test_the_pallas_kernel_on_a_tpu_mesh(spec):
 
     replicated = jax.sharding.PartitionSpec()
     per_chip = jax.shard_map(update, mesh=mesh, in_specs=(pspec,) * 4 + (replicated,), out_specs=pspec)
-    g = jax.ShapeDtypeStruct((2048, 1024), jnp.bfloat16, sharding=sharding)
-    small = jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=sharding)
+    g = jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16, sharding=sharding)
+    small = jax.ShapeDtypeStruct((2048, 2048), jnp.float32, sharding=sharding)
     scalars = jax.ShapeDtypeStruct((5,), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, replicated))
     assert "tpu_custom_call" in jax.jit(per_chip).lower(g, small, small, small, scalars).compile().as_text()
