@@ -27,7 +27,7 @@ import numpy as np
 from optax_gwt import tpu_kernel
 from optax_gwt.sharding import _explicit_sharding
 
-__all__ = ["block_sums", "chunked_block_sums", "repeat_blocks", "block_means", "adam_update"]
+__all__ = ["block_sums", "chunked_block_sums", "repeat_blocks", "block_means", "adam_update", "scaled"]
 
 
 #: The longest run of `axis` that `block_sums` contracts with one small matrix on a TPU.
@@ -214,16 +214,15 @@ def adam_update(
             g, approx, mu, nu, axis=axis, block=block, eps=eps, approx_factor=approx_factor,
             detail_factor=detail_factor, residual=residual,
         )  # fmt: skip
-        unscaled = isinstance(scale, (int, float)) and scale == 1.0
-        return u if unscaled and out_dtype == u.dtype else (u * jnp.asarray(scale, u.dtype)).astype(out_dtype)
+        return scaled(u, scale, out_dtype)
 
     factors = (eps, approx_factor, detail_factor, 0.0 if residual is None else residual, scale)
     if not _tpu_kernel_applies(g, (approx, mu, nu), axis, block, factors):
         return xla()
-    scalars = jnp.stack([jnp.asarray(f, jnp.float32) for f in factors])
-    stored = g if storage_dtype is None else g.astype(storage_dtype)  # XLA drops the round trip
 
     def kernel():
+        scalars = jnp.stack([jnp.asarray(f, jnp.float32) for f in factors])
+        stored = g if storage_dtype is None else g.astype(storage_dtype)  # XLA drops the round trip
         return tpu_kernel.haar_adam_update(
             stored, approx, mu, nu, scalars, block=block, residual=residual is not None, compute=g.dtype,
             out=out_dtype, fallback=_update_from_scalars,
@@ -254,7 +253,13 @@ def _update_from_scalars(g, approx, mu, nu, scalars, *, block: int, residual: bo
         g.astype(compute), approx, mu, nu, axis=0, block=block, eps=scalars[0], approx_factor=scalars[1],
         detail_factor=scalars[2], residual=rho,
     )  # fmt: skip
-    return (u * scalars[4].astype(compute)).astype(out)
+    return scaled(u, scalars[4], out)
+
+
+def scaled(u: jax.Array, scale: float | jax.Array, dtype: Any) -> jax.Array:
+    """``(scale * u).astype(dtype)``, the scale rounded to `u`'s dtype first (`wavelet_inverse`'s
+    last step, and so `adam_update`'s)."""
+    return (u * jnp.asarray(scale, u.dtype)).astype(dtype)
 
 
 def _xla_update(g, approx, mu, nu, *, axis, block, eps, approx_factor, detail_factor, residual) -> jax.Array:

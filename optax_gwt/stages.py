@@ -597,8 +597,7 @@ def _inverse_node(
     # project_leaf carries the gradient) it is rebuilt inside the full-size pass.
     if rule == "adam" and clip is None and x.exact and x.spec.closed_form:
         return _adam_update(x, bias_correct_details, None, scale)
-    u = inverse_leaf(x, _detail_weight(x, rule, bias_correct_details), clip)
-    return (u * jnp.asarray(scale, u.dtype)).astype(x.spec.dtype)
+    return haar.scaled(inverse_leaf(x, _detail_weight(x, rule, bias_correct_details), clip), scale, x.spec.dtype)
 
 
 def wavelet_inverse(
