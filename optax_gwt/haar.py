@@ -33,6 +33,14 @@ __all__ = ["block_sums", "chunked_block_sums", "repeat_blocks", "block_means", "
 #: The longest run of `axis` that `block_sums` contracts with one small matrix on a TPU.
 TPU_CHUNK = 32
 
+#: The most entries of a float32 matrix at level 2 whose block means `adam_update` takes
+#: from the gradient on a GPU (`block_means`). XLA for the H100 and the A100 fuses them into
+#: the full-size pass up to about 1.87 M entries; above that it writes them as a quarter-size
+#: array and reads the gradient once more for it (28-30 B/param on one 7B matrix, against
+#: 25 with the means from the approximation). Measured deviceless (``python -m
+#: benchmarks.target_compile``), JAX 0.10.2.
+GPU_MEANS_FROM_G_MAX = 7 * 2**18
+
 
 def block_sums(x: jax.Array, axis: int, block: int) -> jax.Array:
     """Sums of consecutive blocks of `block` entries along `axis`.
@@ -111,8 +119,9 @@ def block_means(g: jax.Array, axis: int, block: int) -> jax.Array:
     """Each entry of `g` replaced by the mean of its block along `axis` (``repeat_blocks`` of
     ``block_sums(g) / B``), computed from `g` alone.
 
-    `adam_update` uses it on GPUs and TPUs for float32 gradients and moments at levels 1
-    and 2 of a plain matrix (not a stack of them), where the compiled step (``python -m
+    `adam_update` uses it on TPUs and GPUs for float32 gradients and moments at levels 1
+    and 2 of a plain matrix (not a stack of them; on a GPU at level 2 only up to
+    `GPU_MEANS_FROM_G_MAX` entries), where the compiled step (``python -m
     benchmarks.target_compile``) then keeps no approximation in memory for its full-size
     pass, which reads `g` anyway. The barrier keeps XLA from sharing these block sums
     with the approximation's. Elsewhere the means come from the approximation, which
@@ -274,7 +283,12 @@ def _xla_update(g, approx, mu, nu, *, axis, block, eps, approx_factor, detail_fa
     mean = from_approx = rep(approx) * s
     if jnp.dtype(mu.dtype) == jnp.float32 and dtype == jnp.float32 and block <= 4 and g.ndim == 2:
         from_g = _block_means_of_one_matrix(axis, block)
-        mean = jax.lax.platform_dependent(cpu=lambda: from_approx, default=lambda: from_g(g, from_approx))
+        big = block == 4 and math.prod(g.shape) > GPU_MEANS_FROM_G_MAX
+        mean = jax.lax.platform_dependent(
+            cpu=lambda: from_approx,
+            tpu=lambda: from_g(g, from_approx),
+            default=lambda: from_approx if big else from_g(g, from_approx),
+        )
     detail = g - mean
     # ``+ 0 * g`` (exact: a non-finite G already makes the whole update NaN) keeps
     # XLA from hoisting the square root before the repeat, where it would be

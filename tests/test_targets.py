@@ -112,6 +112,23 @@ def test_the_benchmark_takes_one_layer_of_a_larger_model():
     assert len(target_compile.matrices("60m", layers=2)) == 14 and len(target_compile.matrices("60m")) == 7 * 8
 
 
+@pytest.mark.parametrize("target", ["h100", "a100"])
+@pytest.mark.parametrize("shape,limit", [((1024, 1024), 22.0), ((2048, 1024), 24.0)])
+def test_gpus_read_a_gradient_twice_at_every_size(target, shape, limit):
+    """GWT-2, float32, one matrix: the gradient read by the approximation's pass and by the
+    full-size pass, the params once (3 full-size reads per entry). A small matrix's block
+    means are recomputed from the gradient in the full-size pass (22 B/param); a large one's
+    come from the approximation (24: it is written and read once more), as XLA for a GPU
+    would otherwise write them as an array of their own and read the gradient a third time
+    for it (28 B/param at (2048, 1024); `haar.GPU_MEANS_FROM_G_MAX`)."""
+    params = target_compile.abstract_params({"w": shape}, jnp.float32, _device(target))
+    text = plan.compile_update(optax_gwt.gwt_adamw(1e-3, level=2), params).as_text()
+    n = int(np.prod(shape))
+    t = entry_traffic(text, [n])
+    assert t.full_size_read_elements == 3 * n
+    assert (t.bytes_read + t.bytes_written) / n == pytest.approx(limit, abs=0.01)
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_tpus_take_the_pallas_kernel_for_the_full_size_pass(target):
     """`optax_gwt.tpu_kernel` (a Mosaic custom call) for a large matrix, on the TPUs only."""
