@@ -4,7 +4,8 @@
 
 For each target (`optax_gwt.targets`), dtype and optimizer, compiles the donated step
 ``(params, state, grads) -> (params, state)`` of ``optax.adamw`` or ``gwt_adamw(level=L)``
-(the paper's limiter on; ``gwt2-nolimit``: off) on the attention and MLP matrices of
+(the paper's limiter on; ``gwt2-nolimit``: off; ``gwt2-delayed``: a step late) on the
+attention and MLP matrices of
 LLaMA-60M (25.3 M parameters, all under the optimizer; ``-stacked``: the 8 layers'
 matrices stacked, ``batch_axes=1``; ``-vmapped``: stacked, the update under
 ``jax.vmap``), or of another size's first layers (``--model 7b --layers 1``: one layer's
@@ -14,7 +15,8 @@ GPU; `optax_gwt.hlo_traffic`), and from ``memory_analysis()`` the temporaries an
 peak (arguments + outputs not aliased to them + temporaries). The state GWT saves is
 AdamW's state minus GWT's. ``--step train`` compiles a train step instead, whose
 gradients come from its own backward pass (`compile_train`): the peak is then what a
-training run's step needs beyond its model's activations.
+training run's step needs beyond its model's activations. ``--fsdp 64`` splits the
+matrices over 64 chips as the planner does and reports per device.
 Writes ``<out>.json`` and ``<out>.md``. Nothing runs on a chip: no wall times.
 """
 
@@ -56,23 +58,23 @@ def stacked(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     return {kind: (len(s), *s[0]) for kind, s in kinds.items()}
 
 
-def _variant(name: str) -> tuple[str, str]:
-    """``("gwt2", "stacked")`` for ``"gwt2-stacked"``."""
-    base, _, variant = name.partition("-")
-    return base, variant
+def _variants(name: str) -> tuple[str, set[str]]:
+    """``("gwt2", {"stacked", "delayed"})`` for ``"gwt2-stacked-delayed"``."""
+    base, *variants = name.split("-")
+    return base, set(variants)
 
 
 def _on_stacked_layers(name: str) -> bool:
-    return _variant(name)[1] in ("stacked", "vmapped")
+    return bool(_variants(name)[1] & {"stacked", "vmapped"})
 
 
 def optimizer(name: str) -> optax.GradientTransformation:
-    """``adamw`` or ``gwt<level>``, plain or with a variant: ``-nolimit``, GWT without the
-    norm-growth limiter (whose bytes bound from below those of any limiter that needs no
-    pass of its own, such as one that reads the previous step's norm); ``-stacked``, on the
-    layers stacked with ``batch_axes=1``; ``-vmapped``, on them under ``jax.vmap`` over the
-    layers (as the planner's ``over_layers``)."""
-    base, variant = _variant(name)
+    """``adamw`` or ``gwt<level>``, plain or with variants joined by ``-``: ``nolimit``, GWT
+    without the norm-growth limiter (whose bytes bound from below those of any limiter that
+    needs no pass of its own); ``delayed``, the limiter's factor applied a step late
+    (``norm_growth_delayed``); ``stacked``, on the layers stacked with ``batch_axes=1``;
+    ``vmapped``, on them under ``jax.vmap`` over the layers (as the planner's ``over_layers``)."""
+    base, variants = _variants(name)
     if base == "adamw":
         return optax.adamw(LEARNING_RATE, eps=1e-6, weight_decay=WEIGHT_DECAY)
     tx = optax_gwt.gwt_adamw(
@@ -80,10 +82,11 @@ def optimizer(name: str) -> optax.GradientTransformation:
         eps=1e-6,
         weight_decay=WEIGHT_DECAY,
         level=int(base.removeprefix("gwt")),
-        norm_growth_limit=None if variant == "nolimit" else 1.01,
-        batch_axes=1 if variant == "stacked" else 0,
+        norm_growth_limit=None if "nolimit" in variants else 1.01,
+        norm_growth_delayed="delayed" in variants,
+        batch_axes=1 if "stacked" in variants else 0,
     )
-    if variant == "vmapped":
+    if "vmapped" in variants:
         from optax_gwt.plan.llama import over_layers  # needs Flax (the plan extra)
 
         return over_layers(tx)
@@ -95,6 +98,26 @@ def abstract_params(shapes: dict, dtype: Any, device: jax.Device) -> dict:
     mesh = jax.sharding.Mesh(np.array([device]), ("fsdp",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return {k: jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for k, s in shapes.items()}
+
+
+def sharded_params(shapes: dict, dtype: Any, target: str, fsdp: int) -> dict:
+    """The matrices on `fsdp` of the target's devices, split as the planner splits a LLaMA's
+    (`optax_gwt.plan.llama.param_shardings`: each kernel's output axis over ``fsdp``,
+    ``o_proj`` and ``down_proj`` their input axis)."""
+    from optax_gwt.plan import llama as plan_llama  # needs Flax (the plan extra)
+
+    mesh = plan_llama.make_mesh({"fsdp": fsdp}, targets.devices(target, fsdp))
+    tree: dict = {}
+    for path, shape in shapes.items():
+        *outer, last = re.findall(r"\['(\w+)'\]", path)
+        node = tree
+        for key in outer:
+            node = node.setdefault(key, {})
+        node[last] = jax.ShapeDtypeStruct(shape, dtype)
+    shardings = plan_llama.param_shardings(tree, mesh)
+    flat = jax.tree_util.tree_flatten_with_path(shardings)[0]
+    by_path = {jax.tree_util.keystr(p): s for p, s in flat}
+    return {k: jax.ShapeDtypeStruct(s, dtype, sharding=by_path[k]) for k, s in shapes.items()}
 
 
 #: Tokens of each matrix's input in the train step (`compile_train`).
@@ -121,20 +144,25 @@ def compile_train(tx: optax.GradientTransformation, params: dict) -> Any:
     return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, inputs).compile()
 
 
-def measure(target: str, dtype: Any, name: str, shapes: dict, step: str = "update") -> dict:
+def measure(target: str, dtype: Any, name: str, shapes: dict, step: str = "update", fsdp: int = 1) -> dict:
     """One compile's figures (on the layers stacked for a stacked or vmapped variant) of the
     donated update step ``(params, state, grads) -> (params, state)`` or, for ``step="train"``,
-    of `compile_train`'s step."""
+    of `compile_train`'s step; with `fsdp` > 1, per device of a mesh that splits the matrices
+    as the planner does (`sharded_params`)."""
     tx = optimizer(name)
     if _on_stacked_layers(name):
         shapes = stacked(shapes)
     start = time.perf_counter()
-    params = abstract_params(shapes, dtype, targets.device(target))
+    if fsdp > 1:
+        params = sharded_params(shapes, dtype, target, fsdp)
+    else:
+        params = abstract_params(shapes, dtype, targets.device(target))
     compiled = plan.compile_update(tx, params) if step == "update" else compile_train(tx, params)
     seconds = time.perf_counter() - start
-    n = sum(int(np.prod(s)) for s in shapes.values())
+    local = [int(np.prod(p.sharding.shard_shape(p.shape))) for p in params.values()]
+    n = sum(local)
     text = compiled.as_text()
-    traffic = entry_traffic(text, [int(np.prod(s)) for s in shapes.values()])
+    traffic = entry_traffic(text, local)
     mem = compiled.memory_analysis()
     return {
         "bytes_per_param": (traffic.bytes_read + traffic.bytes_written) / n,
@@ -143,7 +171,7 @@ def measure(target: str, dtype: Any, name: str, shapes: dict, step: str = "updat
         "temp_bytes": mem.temp_size_in_bytes,
         "peak_bytes": mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
         + mem.temp_size_in_bytes,
-        "state_bytes": optax_gwt.optimizer_state_bytes(tx, params).total,
+        "state_bytes": plan.shard_bytes(plan.abstract_state(tx, params)),
         "cpu_kernel_in_hlo": "optax_gwt_haar" in text,
         "compile_s": seconds,
     }  # fmt: skip
@@ -156,18 +184,20 @@ def run(
     model: str = "60m",
     layers: int | None = None,
     step: str = "update",
+    fsdp: int = 1,
 ) -> dict:
     shapes = matrices(model, layers)
     out: dict[str, Any] = {
         "model": model,
         "layers": layers,
         "step": step,
+        "fsdp": fsdp,
         "params": sum(int(np.prod(s)) for s in shapes.values()),
         "rows": [],
     }
     for target in target_names:
         for dtype in dtypes:
-            rows = {name: measure(target, jnp.dtype(dtype), name, shapes, step) for name in ["adamw", *names]}
+            rows = {name: measure(target, jnp.dtype(dtype), name, shapes, step, fsdp) for name in ["adamw", *names]}
             for name, r in rows.items():
                 adamw = rows["adamw-stacked" if _on_stacked_layers(name) else "adamw"]
                 saved = adamw["state_bytes"] - r["state_bytes"]
@@ -205,7 +235,16 @@ def main(argv=None) -> None:
     p.add_argument(
         "--optimizers",
         nargs="+",
-        default=["gwt1", "gwt2", "gwt3", "gwt2-nolimit", "adamw-stacked", "gwt2-stacked", "gwt2-vmapped"],
+        default=[
+            "gwt1",
+            "gwt2",
+            "gwt3",
+            "gwt2-nolimit",
+            "gwt2-delayed",
+            "adamw-stacked",
+            "gwt2-stacked",
+            "gwt2-vmapped",
+        ],
         help="after adamw; a -stacked or -vmapped GWT is compared with adamw-stacked, which must come first",
     )
     p.add_argument("--model", default="60m", choices=sorted(CONFIGS), help="the LLaMA whose matrices are updated")
@@ -216,9 +255,12 @@ def main(argv=None) -> None:
         choices=["update", "train"],
         help="the donated update step (grads an argument) or a train step (grads from its backward pass)",
     )
+    p.add_argument(
+        "--fsdp", type=int, default=1, help="split the matrices over this many chips as the planner does (per device)"
+    )
     p.add_argument("--out", default="results/targets/update")
     args = p.parse_args(argv)
-    r = run(args.targets, args.dtypes, args.optimizers, args.model, args.layers, args.step)
+    r = run(args.targets, args.dtypes, args.optimizers, args.model, args.layers, args.step, args.fsdp)
     r["jax"] = jax.__version__
     write_results(args.out, r, markdown(r))
     print(markdown(r))

@@ -59,6 +59,7 @@ DEFAULT_LR = {
     "adamw-modular": 1e-2,  # swept 1e-2, 3e-2
     "gwt": 2e-2,  # swept 1e-2, 2e-2, 4e-2 (level 2)
     "gwt-nobc": 2e-2,  # as gwt
+    "gwt-delayed": 2e-2,  # as gwt
     "galore": 3e-2,  # swept 1e-2, 3e-2
     "adafactor": 1e-2,  # swept 1e-2, 3e-2
     "gwt-lion": 1e-2,  # not swept (optional run)
@@ -187,6 +188,7 @@ def make_optimizer(
         ``adamw-modular``: AdamW with the modular learning rates;
         ``gwt``: GWT-AdamW (`level`, `wavelet`) on the matrices, modular lrs;
         ``gwt-nobc``: the same with ``bias_correct_details=False``;
+        ``gwt-delayed``: the same with ``norm_growth_delayed=True``;
         ``galore``: `optax.contrib.galore` on the matrices, modular lrs;
         ``adafactor``: `optax.adafactor` for everything;
         ``adam-mini``: `optax_gwt.scale_by_adam_mini` for everything, one lr
@@ -232,7 +234,7 @@ def make_optimizer(
     matrix: optax.GradientTransformation
     if name == "adamw-modular":
         matrix = adamw(lr * alpha)
-    elif name in ("gwt", "gwt-nobc", "gwt-energy", "gwt-residual"):
+    elif name in ("gwt", "gwt-nobc", "gwt-delayed", "gwt-energy", "gwt-residual"):
         matrix = gwt_adamw(
             sched(lr),
             weight_decay=weight_decay,
@@ -243,6 +245,7 @@ def make_optimizer(
             second_moment="energy" if name == "gwt-energy" else "approx",
             bias_correct_details=name != "gwt-nobc",
             norm_growth_limit=norm_growth_limit,
+            norm_growth_delayed=name == "gwt-delayed",
             axis=gwt_axis,
         )
     elif name == "foam":

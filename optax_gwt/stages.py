@@ -321,9 +321,10 @@ class LimitNormGrowthState(NamedTuple):
       count: steps taken (int32 scalar); the first step is not limited.
       norm_prev: per array, the previous step's norm ``r_prev`` (a scalar in
         float32, float64 for float64 params; 0 where not transformed).
-      scale: per array, the factor ``lam`` the last step was divided by (a
-        scalar like ``norm_prev``; 1 before the first step and where not
-        transformed): a diagnostic, never read by the update.
+      scale: per array, the factor ``lam`` the last step computed (a scalar
+        like ``norm_prev``; 1 before the first step and where not transformed):
+        the last step was divided by it, or, with ``delayed=True``, this step
+        is.
 
     Example:
       >>> import jax.numpy as jnp, optax_gwt
@@ -336,7 +337,9 @@ class LimitNormGrowthState(NamedTuple):
     scale: Any
 
 
-def limit_norm_growth(gamma: float = 1.01, projection: WaveletProjection | None = None) -> optax.GradientTransformation:
+def limit_norm_growth(
+    gamma: float = 1.01, projection: WaveletProjection | None = None, *, delayed: bool = False
+) -> optax.GradientTransformation:
     """Stage 3 of GWT: Fira's norm-growth limiter on each approximation step.
 
     For each transformed array, with ``r = ||N|| / step_scale`` (the norm of
@@ -348,11 +351,19 @@ def limit_norm_growth(gamma: float = 1.01, projection: WaveletProjection | None 
     of all arrays runs on one stacked vector on a CPU, per array on GPUs and
     TPUs (see `_limit_factors`).
 
+    With ``delayed=True`` (not the paper's: an option) the same factors are
+    computed, but each step is divided by the previous step's ``lam`` (1 on
+    the first two steps), so that no array's full-size pass waits for a norm
+    of its own step: under FSDP that norm is a reduction across the devices
+    that hold the matrix, and the pass that waits for it keeps its inputs
+    in memory meanwhile (``python -m benchmarks.target_compile --fsdp 64``).
+
     Args:
       gamma: the largest growth factor per step.
       projection: the chain's `WaveletProjection`, needed where it has batch
         axes (stacked matrices): then ``r``, ``lam`` and ``r_prev`` are one per
         matrix, in the array's batch shape. None: one per array.
+      delayed: divide each step by the factor computed at the previous step.
 
     Returns:
       An `optax.GradientTransformation` with state `LimitNormGrowthState`.
@@ -404,7 +415,12 @@ def limit_norm_growth(gamma: float = 1.01, projection: WaveletProjection | None 
             nodes, r_prev = [leaves[k] for k in index], [prev_leaves[owner[k]] for k in index]
             lams, rs = _limit_factors(nodes, r_prev, state.count, gamma)
             for k, x, lam, r, prev in zip(index, nodes, lams, rs, r_prev, strict=True):
-                limit = lam if x.spec.batch_axes == 0 else lam.reshape(lam.shape + (1,) * (x.approx.ndim - lam.ndim))
+                applied = new_scale[owner[k]].astype(lam.dtype) if delayed else lam
+                limit = (
+                    applied
+                    if x.spec.batch_axes == 0
+                    else applied.reshape(applied.shape + (1,) * (x.approx.ndim - applied.ndim))
+                )
                 out[k] = x.replace(approx=x.approx / limit.astype(x.approx.dtype), limit=limit)
                 new_prev[owner[k]] = (r / lam).astype(prev.dtype)
                 new_scale[owner[k]] = lam.astype(new_scale[owner[k]].dtype)

@@ -53,6 +53,7 @@ def scale_by_gwt(
     mode: str = "zero",
     scale: float = 0.25,
     norm_growth_limit: float | None = 1.01,
+    norm_growth_delayed: bool = False,
     detail_rule: str = "auto",
     b1: float = 0.9,
     b2: float = 0.999,
@@ -94,6 +95,10 @@ def scale_by_gwt(
       second_moment: the built-in Adam's (`scale_by_reference_adam`):
         ``"energy"`` is FOAM's second moment.
       norm_growth_limit: gamma of `limit_norm_growth` (None: no limiter).
+      norm_growth_delayed: the limiter's ``delayed`` (not the paper's): each
+        step divided by the factor of the step before, so that no full-size
+        pass waits for its own step's norm (a reduction across devices under
+        FSDP).
       b1, b2, eps, mu_dtype, nu_dtype: the built-in Adam's (see above).
       cpu_kernel: with the built-in Adam, the limiter on, rule ``"adam"`` or
         ``"auto"`` and no `detail_clip`: compute Haar moments with the compiled
@@ -135,7 +140,9 @@ def scale_by_gwt(
         base, preconditioner = base_optimizer, adam_preconditioner(b1, b2, eps)
     stages = [wavelet_project(projection), on_approximation(base, projection, preconditioner=preconditioner)]
     stages.append(
-        limit_norm_growth(norm_growth_limit, projection) if norm_growth_limit is not None else optax.identity()
+        limit_norm_growth(norm_growth_limit, projection, delayed=norm_growth_delayed)
+        if norm_growth_limit is not None
+        else optax.identity()
     )
     stages.append(
         wavelet_inverse(
@@ -162,6 +169,7 @@ def gwt_adamw(
     mode: str = "zero",
     scale: float = 0.25,
     norm_growth_limit: float | None = 1.01,
+    norm_growth_delayed: bool = False,
     detail_rule: str = "auto",
     bias_correct_details: bool = True,
     detail_clip: float | None = None,
@@ -193,8 +201,8 @@ def gwt_adamw(
       weight_decay: decoupled weight decay.
       mask: which params weight decay applies to (as in `optax.adamw`).
       level, wavelet, mode, axis, batch_axes, min_dim_size: see `scale_by_gwt`.
-      scale, norm_growth_limit, detail_rule, bias_correct_details: see `scale_by_gwt`.
-      detail_clip, second_moment, residual_scale: see `scale_by_gwt`.
+      scale, norm_growth_limit, norm_growth_delayed, detail_rule: see `scale_by_gwt`.
+      bias_correct_details, detail_clip, second_moment, residual_scale: see `scale_by_gwt`.
       mu_dtype, nu_dtype, cpu_kernel: see `scale_by_gwt`.
       wavelet_mask: which params may be transformed (`scale_by_gwt`'s mask).
 
@@ -214,6 +222,7 @@ def gwt_adamw(
             mode=mode,
             scale=scale,
             norm_growth_limit=norm_growth_limit,
+            norm_growth_delayed=norm_growth_delayed,
             detail_rule=detail_rule,
             b1=b1,
             b2=b2,

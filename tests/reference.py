@@ -34,6 +34,7 @@ class ReferenceGWTAdamW:
         bias_correct_details=True,
         detail_rule="adam",
         second_moment="approx",
+        delayed=False,
     ):
         self.__dict__.update(locals())
         del self.__dict__["self"]
@@ -89,7 +90,8 @@ class ReferenceGWTAdamW:
         else:
             lam = max(r / (st["r"] + 1e-8), self.gamma) / self.gamma
             st["r"] = r / lam
-        st["lam"] = lam
+        # delayed (not the authors'): this step is divided by the factor of the step before
+        lam, st["lam"] = (st.get("lam", 1.0), lam) if self.delayed else (lam, lam)
         n = n / lam
         details = []
         den = denom

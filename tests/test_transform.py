@@ -110,6 +110,34 @@ def test_detail_bias_correction_off():
     assert not np.allclose(np.asarray(other["w"]), want["w"], rtol=1e-6)
 
 
+@pytest.mark.parametrize("wavelet,mode", [("haar", "zero"), ("db2", "symmetric")])
+def test_delayed_limiter_divides_each_step_by_the_factor_before(wavelet, mode):
+    """``norm_growth_delayed=True`` against the reference with the previous step's factor."""
+    kw = dict(level=2, wavelet=wavelet, mode=mode)
+    opt = optax_gwt.gwt_adamw(1e-2, norm_growth_delayed=True, **kw)
+    got, want, _ = _run_both(opt, ReferenceGWTAdamW(lr=1e-2, delayed=True, **kw), SHAPES, steps=6)
+    for k in want:
+        np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-9, atol=1e-12, err_msg=k)
+    other, _, _ = _run_both(optax_gwt.gwt_adamw(1e-2, **kw), ReferenceGWTAdamW(lr=1e-2, **kw), SHAPES, steps=6)
+    assert not np.allclose(np.asarray(other["w"]), want["w"], rtol=1e-6)  # the limiter acted: a real change
+
+
+def test_delayed_limiter_on_stacked_matrices_is_per_matrix():
+    """With batch axes each matrix of the stack keeps its own delayed factor."""
+    stack = {"w": jnp.zeros((3, 16, 8))}
+    apart = {f"w{i}": jnp.zeros((16, 8)) for i in range(3)}
+    stacked_tx = optax_gwt.gwt_adamw(1e-2, norm_growth_delayed=True, batch_axes=1)
+    apart_tx = optax_gwt.gwt_adamw(1e-2, norm_growth_delayed=True)
+    s1, s2 = stacked_tx.init(stack), apart_tx.init(apart)
+    for t in range(5):
+        g = jax.random.normal(jax.random.key(t), (3, 16, 8)) * jnp.array([1.0, 5.0, 25.0])[:, None, None] ** t
+        u1, s1 = stacked_tx.update({"w": g}, s1, stack)
+        u2, s2 = apart_tx.update({f"w{i}": g[i] for i in range(3)}, s2, apart)
+        for i in range(3):
+            np.testing.assert_allclose(u1["w"][i], u2[f"w{i}"], rtol=2e-6, atol=1e-9)
+    assert float(jnp.max(s1[0][2].scale["w"])) > 1.0  # some matrix was limited
+
+
 @pytest.mark.parametrize("rule", ["norm_ratio", "zero"])
 def test_other_detail_rules_with_reference_adam(rule):
     kw = dict(level=2, wavelet="haar", mode="zero")
