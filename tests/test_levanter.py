@@ -73,6 +73,23 @@ def test_state_of_the_hidden_matrices_is_a_quarter_of_adams(name):
         ]
 
 
+def test_the_delayed_limiter_by_config():
+    """``norm_growth_delayed: true`` reaches the limiter: the same first steps, then other updates."""
+    params = _params()
+    grads = jax.tree.map(lambda x: jax.random.normal(jax.random.PRNGKey(1), x.shape), params)
+    runs = []
+    for delayed in (False, True):
+        tx = gl.GWTConfig(learning_rate=1e-2, level=2, norm_growth_delayed=delayed).build(100)
+        state, out = tx.init(params), []
+        for t in range(4):  # gradients that grow, so that the limiter acts
+            scaled = jax.tree.map(lambda g, k=4.0**t: g * k, grads)
+            updates, state = jax.jit(tx.update)(scaled, state, params)
+            out.append(jax.tree.leaves(updates))
+        runs.append(out)
+    assert all(bool(jnp.array_equal(a, b)) for a, b in zip(runs[0][0], runs[1][0], strict=True))
+    assert not all(bool(jnp.allclose(a, b)) for a, b in zip(runs[0][3], runs[1][3], strict=True))
+
+
 def optax_gwt_limiter_state():
     import optax_gwt
 

@@ -168,10 +168,15 @@ class GWTConfig(_GroupedConfig):
 
     wavelet: str = "haar"
     norm_growth_limit: float | None = 1.01
+    norm_growth_delayed: bool = False  # not the paper's: for FSDP on TPUs (`optax_gwt.limit_norm_growth`)
     epsilon: float = 1e-6
 
     def _matrices(self, learning_rate, axes, batch_axes) -> optax.GradientTransformation:
-        own: dict[str, Any] = dict(wavelet=self.wavelet, norm_growth_limit=self.norm_growth_limit)
+        own: dict[str, Any] = dict(
+            wavelet=self.wavelet,
+            norm_growth_limit=self.norm_growth_limit,
+            norm_growth_delayed=self.norm_growth_delayed,
+        )
         return optax_gwt.gwt_adamw(learning_rate, **self._shared(axes, batch_axes), **own)
 
 
