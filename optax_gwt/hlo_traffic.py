@@ -169,12 +169,16 @@ def _instruction(line: str) -> Instruction | None:
     return Instruction(name, result_type, opcode, re.findall(r"%([\w.\-]+)", args), None, attributes)
 
 
-def entry_instructions(hlo_text: str) -> list[Instruction]:
-    """The instructions of the entry computation of ``compiled.as_text()``, in order."""
+def _entry_name(hlo_text: str) -> str:
     entry = next(line for line in hlo_text.splitlines() if line.startswith("ENTRY"))
     match = _COMPUTATION.match(entry)
     assert match is not None, entry
-    return computations(hlo_text)[match.group(1)]
+    return match.group(1)
+
+
+def entry_instructions(hlo_text: str) -> list[Instruction]:
+    """The instructions of the entry computation of ``compiled.as_text()``, in order."""
+    return computations(hlo_text)[_entry_name(hlo_text)]
 
 
 def _moves(ins: Instruction, shapes: dict[str, list[Array]], starts: dict[str, Instruction], comps: dict):
@@ -302,5 +306,5 @@ def entry_traffic(hlo_text: str, full_sizes: Iterable[int]) -> Traffic:
     """
     comps = computations(hlo_text)
     counter = _Counter(full_sizes)
-    counter.count(entry_instructions(hlo_text), comps)
+    counter.count(comps[_entry_name(hlo_text)], comps)
     return Traffic(**counter.sums)
