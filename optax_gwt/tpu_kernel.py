@@ -43,10 +43,11 @@ from typing import Any
 import jax
 import jax.extend
 import jax.numpy as jnp
-from jax._src.sharding_impls import ShardingContext, SPMDAxisContext
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.interpreters import ad, batching, mlir
+
+from optax_gwt.per_device import on_one_device
 
 __all__ = ["applies", "haar_adam_update"]
 
@@ -126,16 +127,6 @@ def _pallas_update(g, approx, mu, nu, scalars, *, block: int, residual: bool, co
     )(scalars, g, approx, mu, nu)
 
 
-def _on_one_device(ctx) -> bool:
-    """Whether the program being lowered runs as it is on each device: one device, or the
-    body of a `jax.shard_map` manual over every mesh axis (not an SPMD program that XLA
-    partitions, which would gather a custom call's operands)."""
-    axes = ctx.module_context.axis_context
-    if isinstance(axes, SPMDAxisContext):
-        return set(axes.manual_axes) == set(axes.mesh.axis_names)
-    return isinstance(axes, ShardingContext) and axes.num_devices == 1
-
-
 def _fallback_fun(fallback, block, residual, compute, out, **_):
     return functools.partial(fallback, block=block, residual=residual, compute=compute, out=out)
 
@@ -144,7 +135,7 @@ def _lowering(ctx, *args, kernel: bool, **params):
     """The kernel where `kernel` (a TPU, or Pallas's interpreter) is asked for, the program
     runs on one device and its tiling fits; else the fallback."""
     g, *small = ctx.avals_in[:4]
-    if kernel and _on_one_device(ctx) and applies(g, tuple(small), 0, params["block"]):
+    if kernel and on_one_device(ctx) and applies(g, tuple(small), 0, params["block"]):
         options = {k: params[k] for k in ("block", "residual", "compute", "out", "interpret")}
         fun = functools.partial(_pallas_update, **options)
     else:

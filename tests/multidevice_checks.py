@@ -419,3 +419,16 @@ def test_tpu_kernel_runs_per_device_only(shape, spec, block, monkeypatch):
     per_shard = jax.shard_map(update, mesh=mesh, in_specs=(spec,) * 4 + (P(),), out_specs=spec, check_vma=False)
     np.testing.assert_array_equal(jax.jit(per_shard)(*args), expected)
     assert lowered == [1, 1]
+
+
+def test_one_device_or_takes_partitioned_in_an_spmd_program():
+    """`per_device.one_device_or`: a program XLA partitions over 8 devices lowers the partitioned
+    function; the body of a `jax.shard_map` manual over the mesh lowers the single one."""
+    from optax_gwt.per_device import one_device_or
+
+    choose = functools.partial(one_device_or, lambda x: x + 1, lambda x: x + 2)
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+    x = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("d")))
+    np.testing.assert_array_equal(jax.jit(choose)(x), np.arange(16.0) + 2)
+    body = jax.shard_map(choose, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+    np.testing.assert_array_equal(jax.jit(body)(x), np.arange(16.0) + 1)

@@ -139,9 +139,9 @@ def test_stacked_matrices_equal_the_matrices_one_by_one(detail_rule, platform, l
     lower_as(platform)
     rng = np.random.default_rng(0)
     layers = 3
-    stacked = {"w": jnp.asarray(rng.standard_normal((layers, 16, 6))), "b": jnp.zeros(6)}
+    stacked = {"w": jnp.asarray(rng.standard_normal((layers, 16, 128))), "b": jnp.zeros(6)}  # 128: a TPU's lanes
     grads = [
-        {"w": jnp.asarray(rng.uniform(0.2, 5.0, (layers, 1, 1)) * rng.standard_normal((layers, 16, 6))),
+        {"w": jnp.asarray(rng.uniform(0.2, 5.0, (layers, 1, 1)) * rng.standard_normal((layers, 16, 128))),
          "b": jnp.asarray(rng.standard_normal(6))}
         for _ in range(5)
     ]  # fmt: skip
@@ -149,7 +149,7 @@ def test_stacked_matrices_equal_the_matrices_one_by_one(detail_rule, platform, l
     tx = optax_gwt.gwt_adamw(1e-2, batch_axes=1, **kw)
     got = _steps(tx, stacked, lambda i: grads[i], n=5)[-1]
     state = tx.init(stacked)
-    assert state[0][1].inner_state.mu["w"].shape == (layers, 4, 6)
+    assert state[0][1].inner_state.mu["w"].shape == (layers, 4, 128)
     assert state[0][2].norm_prev["w"].shape == (layers,) and state[0][2].norm_prev["b"].shape == ()
     for layer in range(layers):
         alone = {"w": stacked["w"][layer], "b": stacked["b"]}
@@ -169,8 +169,8 @@ def test_vmapped_over_layers_equals_the_matrices_one_by_one(platform, lower_as):
     lower_as(platform)
     rng = np.random.default_rng(1)
     layers = 3
-    stacked = {"w": jnp.asarray(rng.standard_normal((layers, 16, 6)), jnp.float32)}
-    grads = [{"w": jnp.asarray(rng.standard_normal((layers, 16, 6)), jnp.float32)} for _ in range(4)]
+    stacked = {"w": jnp.asarray(rng.standard_normal((layers, 16, 128)), jnp.float32)}  # 128: a TPU's lanes
+    grads = [{"w": jnp.asarray(rng.standard_normal((layers, 16, 128)), jnp.float32)} for _ in range(4)]
     tx = optax_gwt.gwt_adamw(1e-2, level=2, weight_decay=0.1)
     vmapped = optax.GradientTransformation(jax.vmap(tx.init), jax.vmap(tx.update))
     got = _steps(vmapped, stacked, lambda i: grads[i], n=4)[-1]

@@ -380,6 +380,21 @@ def test_block_means_from_the_gradient_equal_those_from_the_approximation(shape,
 
 @pytest.mark.parametrize(
     "shape,axis,block,max_chunk",
+    [((128, 12), 0, 4, 32), ((6, 344), 1, 4, 32), ((3, 12, 5), 1, 8, 32), ((20, 3), 0, 2, 8), ((2, 2), 0, 64, 32)],
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_chunked_repeat_equals_numpy_repeat(shape, axis, block, max_chunk, dtype):
+    """The TPU's block repeat (a contraction per run of the axis) is NumPy's repeat, bit for bit."""
+    from optax_gwt import haar
+
+    x = jnp.asarray(np.random.default_rng(block).standard_normal(shape) * 1e3, dtype)
+    got = haar.chunked_repeat(x, axis, block, max_chunk)
+    assert got.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float64), np.repeat(np.asarray(x, np.float64), block, axis=axis))
+
+
+@pytest.mark.parametrize(
+    "shape,axis,block,max_chunk",
     [((512, 12), 0, 4, 32), ((6, 1376), 1, 4, 32), ((3, 96, 5), 1, 8, 32), ((40, 3), 0, 2, 8), ((128, 2), 0, 64, 32)],
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
