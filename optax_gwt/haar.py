@@ -40,8 +40,19 @@ __all__ = [
 ]
 
 
-#: The longest run of `axis` that `block_sums` contracts with one small matrix on a TPU.
-TPU_CHUNK = 32
+#: The longest run of `axis` that `block_sums` contracts with one small matrix on a TPU:
+#: one tile of the chip's 128 lanes. Where a TPU lays the transform axis on the lanes (a
+#: device's shard of LLaMA-7B's matrices under FSDP, ``(4096, 64)``, and 60M's 512 x 1376)
+#: runs of whole lane tiles need no relayout of the gradient: with runs of 32, GWT-2's update
+#: of 4 7B layers over 64 v5e chips held 130 MiB of temporaries and 1.29x AdamW's peak, with
+#: 128 23 MiB and 0.74x (``python -m benchmarks.target_compile --model 7b --fsdp 64``). Each
+#: run's contraction fills the MXU's 128 rows (v5e; v6e's has 256, but runs of 256 cost 60M's
+#: GWT-1 33 MiB of temporaries on v6e).
+TPU_CHUNK = 128
+#: The longest run of the result that `chunked_repeat` computes with one small matrix (at
+#: level 2, 8 entries of the per-block array repeated to 32): longer runs measured more
+#: kernels on 60M's 512 x 512 matrices.
+TPU_REPEAT_CHUNK = 32
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 #: The most entries of a float32 matrix at level 2 whose block means `adam_update` takes
@@ -57,7 +68,7 @@ def block_sums(x: jax.Array, axis: int, block: int) -> jax.Array:
     """Sums of consecutive blocks of `block` entries along `axis`.
 
     On a TPU, where `block` divides the axis, the sums are a contraction of runs
-    of at most ``TPU_CHUNK`` (32) entries with a 0/1 matrix (`chunked_block_sums`),
+    of at most ``TPU_CHUNK`` (128) entries with a 0/1 matrix (`chunked_block_sums`),
     which XLA fuses there with the work around it; elsewhere, strided slices.
 
     Args:
@@ -93,7 +104,7 @@ def chunked_block_sums(x: jax.Array, axis: int, block: int, max_chunk: int = TPU
     return jnp.moveaxis(sums, -1, axis + 1).reshape(shape[:axis] + (n // block,) + shape[axis + 1 :])
 
 
-def chunked_repeat(x: jax.Array, axis: int, block: int, max_chunk: int = TPU_CHUNK) -> jax.Array:
+def chunked_repeat(x: jax.Array, axis: int, block: int, max_chunk: int = TPU_REPEAT_CHUNK) -> jax.Array:
     """`repeat_blocks` as a contraction (the transpose of `chunked_block_sums`'s): runs of
     ``C / B`` entries of `x` along `axis` times the ``(C / B, C)`` 0/1 matrix, ``2 C / B``
     flops per entry of the result, ``B`` times as long along `axis`.
