@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -155,30 +156,36 @@ def repeat_blocks(x: jax.Array, axis: int, block: int, length: int) -> jax.Array
     entries along `axis`, returns an array with `length` entries along it whose
     entry ``j`` is ``x[j // B]``.
 
-    A broadcast, but on a TPU for blocks of 4 rows (level 2; `axis` the second last, the
-    last a multiple of the chip's 128 lanes, so that its layout puts `axis` on the
-    sublanes, in tiles of 8) a contraction (`chunked_repeat`): the broadcast there is a
-    shuffle inside each tile that takes two on-chip copies (a broadcast and a relayout)
-    besides the fusion that uses it, the contraction one fusion. Only where the program
-    runs as written on each device (`optax_gwt.per_device`): a device's shard of the last
-    axis need not fill the lanes (LLaMA-7B's GWT-2 update over 64 v5e chips, stacked
-    layers: 2.1x AdamW's peak with it, 1.8x without), and not on a mesh of explicit axes,
-    whose reshapes of a sharded axis need their output's sharding. (Blocks of 2 gained as
-    much on one device, but LLaMA-60M's GWT-1 step on v6e then kept 13 MiB of temporaries;
-    blocks of 8 fill a tile, which XLA broadcasts in its fusion.)
+    A broadcast, except on a TPU at level 2 (blocks of 4 along the second last axis):
+    there a broadcast over 4 rows is a shuffle inside the chip's 8-row tiles, which XLA
+    writes out before the fusion that uses it (two on-chip copies, or HBM for a stack too
+    large for VMEM), and the repeat is a contraction instead (`chunked_repeat`, one
+    fusion) where it measured better: where the program runs as written on each device
+    (`optax_gwt.per_device`), in runs of 32 if the last axis fills whole tiles of the
+    chip's 128 lanes (its layout puts `axis` on the sublanes); in a program partitioned
+    over devices (FSDP), for a stack of matrices, in runs of 128 (one tile of lanes, which
+    also cuts a device's shard cleanly where its last axis is narrower than the lanes and
+    the layout puts `axis` on them). Blocks of 2 gained as much on one device, but
+    LLaMA-60M's GWT-1 step on v6e then kept 13 MiB of temporaries; blocks of 8 fill a
+    tile, which XLA broadcasts in its fusion. Not on a mesh of explicit axes, whose
+    reshapes of a sharded axis need their output's sharding.
     """
     broadcast = functools.partial(_broadcast_repeat, axis=axis, block=block, length=length)
-    if _tpu_sublane_repeat(x, axis, block, length):
-        chunked = functools.partial(chunked_repeat, axis=axis, block=block)
-        on_tpu = functools.partial(one_device_or, chunked, broadcast)
-        return jax.lax.platform_dependent(x, tpu=on_tpu, default=broadcast)
-    return broadcast(x)
+    on_tpu = _tpu_repeat(x, axis, block, length, broadcast)
+    return broadcast(x) if on_tpu is None else jax.lax.platform_dependent(x, tpu=on_tpu, default=broadcast)
 
 
-def _tpu_sublane_repeat(x: jax.Array, axis: int, block: int, length: int) -> bool:
-    """Whether `repeat_blocks` takes `chunked_repeat` on a TPU (its docstring's rule)."""
-    rows = axis == x.ndim - 2 and x.shape[-1] % tpu_kernel.LANES == 0
-    return rows and block == 4 and length == x.shape[axis] * block and _explicit_sharding(x) is None
+def _tpu_repeat(x: jax.Array, axis: int, block: int, length: int, broadcast: Callable) -> Callable | None:
+    """`repeat_blocks` on a TPU (its docstring's rule), or None where it is the broadcast."""
+    if block != 4 or axis != x.ndim - 2 or length != x.shape[axis] * block or _explicit_sharding(x) is not None:
+        return None
+    rows = x.shape[-1] % tpu_kernel.LANES == 0
+    on_one_device = functools.partial(chunked_repeat, axis=axis, block=block) if rows else broadcast
+    stack = functools.partial(chunked_repeat, axis=axis, block=block, max_chunk=TPU_CHUNK)
+    partitioned = stack if x.ndim > 2 else broadcast
+    if on_one_device is broadcast and partitioned is broadcast:
+        return None
+    return functools.partial(one_device_or, on_one_device, partitioned)
 
 
 def _broadcast_repeat(x: jax.Array, axis: int, block: int, length: int) -> jax.Array:

@@ -432,3 +432,29 @@ def test_one_device_or_takes_partitioned_in_an_spmd_program():
     np.testing.assert_array_equal(jax.jit(choose)(x), np.arange(16.0) + 2)
     body = jax.shard_map(choose, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
     np.testing.assert_array_equal(jax.jit(body)(x), np.arange(16.0) + 1)
+
+
+@pytest.mark.parametrize("spec", [P(None, None, "fsdp"), P()], ids=["sharded", "replicated"])
+def test_stacked_update_as_a_tpu_partitions_it(spec, lower_as):
+    """Stacked matrices (``batch_axes=1``) split over 8 devices, with the formulations a TPU
+    program takes (`haar.repeat_blocks`: runs of 128 in a partitioned program, of 32 on one
+    device), run here: the steps equal one device's to float32 rounding."""
+    lower_as("tpu")
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+    rng = np.random.default_rng(3)
+    shape = (3, 64, 128)
+    params = {"w": jnp.asarray(rng.standard_normal(shape), jnp.float32)}
+    grads = [{"w": jnp.asarray(rng.standard_normal(shape), jnp.float32)} for _ in range(3)]
+    tx = optax_gwt.gwt_adamw(1e-2, level=2, weight_decay=0.1, batch_axes=1)
+
+    def run(put):
+        p = put(params)
+        state = jax.jit(tx.init)(p)
+        step = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)))
+        for g in grads:
+            p, state = step(p, state, put(g))
+        return np.asarray(p["w"])
+
+    sharded = run(lambda t: jax.device_put(t, NamedSharding(mesh, spec)))
+    single = run(lambda t: jax.device_put(t, jax.devices()[0]))
+    np.testing.assert_allclose(sharded, single, rtol=2e-6, atol=2e-6)
