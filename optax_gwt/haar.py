@@ -42,13 +42,11 @@ __all__ = [
 
 
 #: The longest run of `axis` that `block_sums` contracts with one small matrix on a TPU:
-#: one tile of the chip's 128 lanes. Where a TPU lays the transform axis on the lanes (a
-#: device's shard of LLaMA-7B's matrices under FSDP, ``(4096, 64)``, and 60M's 512 x 1376)
-#: runs of whole lane tiles need no relayout of the gradient: with runs of 32, GWT-2's update
-#: of 4 7B layers over 64 v5e chips held 130 MiB of temporaries and 1.29x AdamW's peak, with
-#: 128 23 MiB and 0.74x (``python -m benchmarks.target_compile --model 7b --fsdp 64``). Each
-#: run's contraction fills the MXU's 128 rows (v5e; v6e's has 256, but runs of 256 cost 60M's
-#: GWT-1 33 MiB of temporaries on v6e).
+#: one tile of the chip's 128 lanes, and the 128 rows of a v5e MXU. Where a TPU lays the
+#: transform axis on the lanes (a device's shard of LLaMA-7B's matrices under FSDP, such
+#: as 4096 x 64, and 60M's 512 x 1376), runs of whole lane tiles need no relayout of the
+#: gradient (``python -m benchmarks.target_compile --model 7b --fsdp 64``,
+#: docs/performance.md). Runs of 256 (v6e's MXU) kept temporaries in 60M's GWT-1 step on v6e.
 TPU_CHUNK = 128
 #: The longest run of the result that `chunked_repeat` computes with one small matrix (at
 #: level 2, 8 entries of the per-block array repeated to 32): longer runs measured more
@@ -166,8 +164,8 @@ def repeat_blocks(x: jax.Array, axis: int, block: int, length: int) -> jax.Array
     over devices (FSDP), for a stack of matrices, in runs of 128 (one tile of lanes, which
     also cuts a device's shard cleanly where its last axis is narrower than the lanes and
     the layout puts `axis` on them). Blocks of 2 gained as much on one device, but
-    LLaMA-60M's GWT-1 step on v6e then kept 13 MiB of temporaries; blocks of 8 fill a
-    tile, which XLA broadcasts in its fusion. Not on a mesh of explicit axes, whose
+    LLaMA-60M's GWT-1 step on v6e then kept temporaries; blocks of 8 fill a tile, which
+    XLA broadcasts in its fusion. Not on a mesh of explicit axes, whose
     reshapes of a sharded axis need their output's sharding.
     """
     broadcast = functools.partial(_broadcast_repeat, axis=axis, block=block, length=length)

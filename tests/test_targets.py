@@ -173,15 +173,19 @@ def test_the_pallas_kernel_on_a_tpu_mesh(spec):
     assert "tpu_custom_call" in jax.jit(per_chip).lower(g, small, small, small, scalars).compile().as_text()
 
 
-def test_the_delayed_limiter_keeps_fsdp_steps_off_the_norms_on_a_tpu():
-    """Four 7B layers split over 64 v5e chips as the planner splits them: with the paper's
-    limiter each matrix's full-size pass waits for its norm, reduced across the chips, and
-    the step moves about AdamW's bytes; with ``norm_growth_delayed`` it does not wait."""
+def test_tpu_fsdp_steps_keep_the_memory_gwt_saves():
+    """Four 7B layers split over 64 v5e chips as the planner splits them, where each device's
+    shard lays the transform axis on the chip's lanes: GWT-2's step with the paper's limiter
+    moves at most 0.75x AdamW's bytes and peaks at most 0.8x AdamW's (block sums in runs of
+    32 relaid out every gradient and kept the copy while the norms were reduced: 1.03x the
+    bytes, 1.29x the peak); the delayed limiter reads each gradient once (at most 0.6x)."""
     _device("v5e")
     shapes = target_compile.matrices("7b", layers=4)
     rows = {
         name: target_compile.measure("v5e", jnp.float32, name, shapes, fsdp=64)
         for name in ("adamw", "gwt2", "gwt2-delayed")
     }
-    assert rows["gwt2-delayed"]["bytes_per_param"] <= 0.70 * rows["adamw"]["bytes_per_param"]
-    assert rows["gwt2-delayed"]["temp_bytes"] <= 0.5 * rows["gwt2"]["temp_bytes"]
+    adamw = rows["adamw"]
+    assert rows["gwt2"]["bytes_per_param"] <= 0.75 * adamw["bytes_per_param"]
+    assert rows["gwt2"]["peak_bytes"] <= 0.80 * adamw["peak_bytes"]
+    assert rows["gwt2-delayed"]["bytes_per_param"] <= 0.60 * adamw["bytes_per_param"]
