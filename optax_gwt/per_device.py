@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax._src.sharding_impls import ShardingContext, SPMDAxisContext
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["on_one_device", "one_device_or"]
+__all__ = ["batch_first", "on_one_device", "one_device_or"]
 
 
 def on_one_device(ctx) -> bool:
@@ -51,13 +51,18 @@ def _abstract_eval(*avals, single, partitioned):
     return jax.core.ShapedArray(out.shape, out.dtype)
 
 
-def _batched(args, dims, *, single, partitioned):
+def batch_first(args, dims) -> list:
+    """A batching rule's operands with their batch axis first (`dims`: each one's batch
+    axis, or None for an unbatched operand, which is broadcast)."""
     size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
-    args = [
+    return [
         jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
         for a, d in zip(args, dims, strict=True)
     ]
-    return one_device_or(jax.vmap(single), jax.vmap(partitioned), *args), 0
+
+
+def _batched(args, dims, *, single, partitioned):
+    return one_device_or(jax.vmap(single), jax.vmap(partitioned), *batch_first(args, dims)), 0
 
 
 def _jvp(primals, tangents, *, single, partitioned):

@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.interpreters import ad, batching, mlir
 
-from optax_gwt.per_device import on_one_device
+from optax_gwt.per_device import batch_first, on_one_device
 
 __all__ = ["applies", "haar_adam_update"]
 
@@ -152,12 +152,7 @@ mlir.register_lowering(_update_p, functools.partial(_lowering, kernel=True), pla
 
 def _batched(args, dims, **params):
     """Under `jax.vmap`: the fallback, vmapped."""
-    size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
-    args = [
-        jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
-        for a, d in zip(args, dims, strict=True)
-    ]
-    return jax.vmap(_fallback_fun(**params))(*args), 0
+    return jax.vmap(_fallback_fun(**params))(*batch_first(args, dims)), 0
 
 
 def _jvp(primals, tangents, **params):
