@@ -9,9 +9,9 @@ neighbouring elementwise work, so that a GWT step reads each full-size array at
 most twice and writes no full-size temporary. (A reshape to ``(n / B, B, ...)``
 with a reduction or a broadcast along the middle axis computes the same values
 but compiles, on XLA CPU, to a separate reduction pass and a slow strided loop.)
-On TPUs the block sums are a small contraction instead (`chunked_block_sums`),
-chosen when JAX lowers the program for one, and the full-size pass of a large matrix
-is a Pallas kernel (`optax_gwt.tpu_kernel`).
+On TPUs the block sums, and at level 2 the repeats, are small contractions instead
+(`chunked_block_sums`, `chunked_repeat`), chosen when JAX lowers the program for one,
+and the full-size pass of a large matrix is a Pallas kernel (`optax_gwt.tpu_kernel`).
 """
 
 from __future__ import annotations
