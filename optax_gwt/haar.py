@@ -177,12 +177,11 @@ def _tpu_repeat(x: jax.Array, axis: int, block: int, length: int, broadcast: Cal
     """`repeat_blocks` on a TPU (its docstring's rule), or None where it is the broadcast."""
     if block != 4 or axis != x.ndim - 2 or length != x.shape[axis] * block or _explicit_sharding(x) is not None:
         return None
-    rows = x.shape[-1] % tpu_kernel.LANES == 0
-    on_one_device = functools.partial(chunked_repeat, axis=axis, block=block) if rows else broadcast
-    stack = functools.partial(chunked_repeat, axis=axis, block=block, max_chunk=TPU_CHUNK)
-    partitioned = stack if x.ndim > 2 else broadcast
-    if on_one_device is broadcast and partitioned is broadcast:
+    rows, stack = x.shape[-1] % tpu_kernel.LANES == 0, x.ndim > 2
+    if not (rows or stack):
         return None
+    on_one_device = functools.partial(chunked_repeat, axis=axis, block=block) if rows else broadcast
+    partitioned = functools.partial(chunked_repeat, axis=axis, block=block, max_chunk=TPU_CHUNK) if stack else broadcast
     return functools.partial(one_device_or, on_one_device, partitioned)
 
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax._src.sharding_impls import ShardingContext, SPMDAxisContext
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["batch_first", "on_one_device", "one_device_or"]
+__all__ = ["batch_first", "jvp_of", "on_one_device", "one_device_or"]
 
 
 def on_one_device(ctx) -> bool:
@@ -65,9 +65,13 @@ def _batched(args, dims, *, single, partitioned):
     return one_device_or(jax.vmap(single), jax.vmap(partitioned), *batch_first(args, dims)), 0
 
 
+def jvp_of(fun: Callable, primals, tangents):
+    """A jvp rule's result: `fun`'s derivatives (symbolic zero tangents made explicit)."""
+    return jax.jvp(fun, tuple(primals), tuple(ad.instantiate_zeros(t) for t in tangents))
+
+
 def _jvp(primals, tangents, *, single, partitioned):
-    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
-    return jax.jvp(partitioned, tuple(primals), tangents)
+    return jvp_of(partitioned, primals, tangents)
 
 
 _choice_p = jax.extend.core.Primitive("optax_gwt_one_device_or")

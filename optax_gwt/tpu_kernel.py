@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.interpreters import ad, batching, mlir
 
-from optax_gwt.per_device import batch_first, on_one_device
+from optax_gwt.per_device import batch_first, jvp_of, on_one_device
 
 __all__ = ["applies", "haar_adam_update"]
 
@@ -157,8 +157,7 @@ def _batched(args, dims, **params):
 
 def _jvp(primals, tangents, **params):
     """Derivatives: the fallback's."""
-    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
-    return jax.jvp(_fallback_fun(**params), tuple(primals), tangents)
+    return jvp_of(_fallback_fun(**params), primals, tangents)
 
 
 batching.primitive_batchers[_update_p] = _batched
