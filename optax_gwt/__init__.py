@@ -11,8 +11,8 @@ Flax), `optax_gwt.models.llama_config` (its configs) and `optax_gwt.plan.llama`
 __version__ = "0.1.0"  # the one source of the version: pyproject.toml reads it
 
 from optax_gwt import (
-    cpu_kernel,
     haar,
+    kernels,  # the fast paths: chip-specific formulations, chosen by one table
     modular,  # modular learning rates and the comparison's optimizers (JAX and Optax only)
     plan,  # the memory planner (JAX and Optax only; its LLaMA part, optax_gwt.plan.llama, needs Flax)
     sharding,
@@ -28,6 +28,7 @@ from optax_gwt.adam_mini import (
     scale_by_adam_mini,
 )
 from optax_gwt.foam import FOAM_STATIC_ARGS, foam_adamw, scale_by_foam
+from optax_gwt.kernels import FastPath
 from optax_gwt.memory import StateBytes, optimizer_state_bytes
 from optax_gwt.projection import LeafSpec, WaveletCoefficients, WaveletProjection
 from optax_gwt.stages import (
@@ -63,7 +64,8 @@ __all__ = [
     "output_blocks",
     "scale_by_adam_mini",
     "ScaleByAdamMiniState",
-    "cpu_kernel",
+    "FastPath",
+    "kernels",
     "decay_weights_after_step",
     "foam_adamw",
     "gwt_adamw",

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_gwt import cpu_kernel as _cpu_kernel, haar
+from optax_gwt import haar
+from optax_gwt.kernels.rules import Case, FastPath, switch
 
 __all__ = ["SECOND_MOMENTS", "Preconditioner", "GWTBase", "adam_preconditioner", "scale_by_reference_adam"]
 
@@ -171,6 +172,24 @@ def _moment(g: jax.Array, prev: jax.Array, decay: float, order: int) -> jax.Arra
     return (1 - decay) * (g if order == 1 else jnp.square(g)) + decay * prev.astype(dt)
 
 
+def _xla_moments(g, m, v, signal, b1, b2, eps, *, energy: bool, fast_path: str | FastPath = "auto"):
+    """``(m, v, ||m / (sqrt(v) + eps)||^2)`` of one leaf, the moments in their state dtypes
+    and the limiter's input computed from them."""
+    if energy and signal is not None:
+        gradient, axis, block = signal
+        v = _moment(haar.block_sums(jnp.square(gradient), axis, block, fast_path), v, b2, 1).astype(v.dtype)
+    else:
+        v = _moment(g, v, b2, 2).astype(v.dtype)
+    m = _moment(g, m, b1, 1).astype(m.dtype)
+    return m, v, jnp.sum(jnp.square(_adam_step(m, v, eps)))
+
+
+def _adam_step(m: jax.Array, v: jax.Array, eps: float) -> jax.Array:
+    """``m / (sqrt(v) + eps)`` from the moments as stored, in float32 at least."""
+    dt = jnp.promote_types(jnp.promote_types(m.dtype, v.dtype), jnp.float32)
+    return m.astype(dt) / (jnp.sqrt(v.astype(dt)) + eps)
+
+
 def scale_by_reference_adam(
     b1: float = 0.9,
     b2: float = 0.999,
@@ -178,8 +197,8 @@ def scale_by_reference_adam(
     mu_dtype: Any | None = None,
     bias_correction: bool = True,
     nu_dtype: Any | None = None,
-    cpu_kernel: bool = False,
     second_moment: str = "approx",
+    fast_path: str | FastPath = "auto",
 ) -> GWTBase:
     """Adam in the form of the GWT reference (Hugging Face's AdamW).
 
@@ -198,10 +217,6 @@ def scale_by_reference_adam(
     Args:
       b1, b2, eps, bias_correction: Adam's constants, as above.
       mu_dtype, nu_dtype: the moments' dtypes.
-      cpu_kernel: as GWT's base (`on_approximation`), compute the moments of a
-        Haar approximation from its full gradient with the compiled kernel of
-        `optax_gwt.cpu_kernel` (one read of the gradient) where it applies;
-        the same values as the XLA formula up to float rounding.
       second_moment: what ``v`` averages for a Haar approximation, as GWT's
         base. ``"approx"`` (GWT's reference): the square of the coefficient,
         ``a^2``. ``"energy"`` (FOAM's, Wen et al., arXiv 2512.07112): the
@@ -210,6 +225,9 @@ def scale_by_reference_adam(
         coefficients, so ``v`` sees the high frequencies too (for the
         reference, the block mean of ``g^2``, in the approximation's units).
         Arrays that are not transformed get ``g^2`` either way.
+      fast_path: the rows of op ``"moments"`` (and ``"block_sums"``) it may take as GWT's
+        base (`optax_gwt.kernels`); ``FastPath(cpu_kernel=True)`` computes the moments of a
+        Haar approximation from its full gradient with a compiled CPU kernel.
 
     Returns:
       A `GWTBase` (an Optax transformation that states its `Preconditioner`).
@@ -237,31 +255,13 @@ def scale_by_reference_adam(
         return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
     def moments(g, m, v, signal):
-        """``(m, v, ||m / (sqrt(v) + eps)||^2)`` of one leaf, the moments in their state dtypes
-        and the limiter's input computed from them."""
-        if cpu_kernel and not energy and signal is not None and _cpu_kernel.applies(signal[0], m, v):
-            gradient, axis, block = signal
-            kernel = functools.partial(_cpu_kernel.haar_adam_moments, axis=axis, block=block, b1=b1, b2=b2, eps=eps)
-            # Chosen when lowering: a program compiled for a GPU or TPU (deviceless
-            # too, while the CPU is JAX's default backend) gets the XLA branch.
-            return jax.lax.platform_dependent(
-                cpu=lambda: kernel(gradient, m, v), default=lambda: xla_moments(g, m, v, signal)
-            )
-        return xla_moments(g, m, v, signal)
-
-    def xla_moments(g, m, v, signal):
-        if energy and signal is not None:
-            gradient, axis, block = signal
-            v = _moment(haar.block_sums(jnp.square(gradient), axis, block), v, b2, 1).astype(v.dtype)
-        else:
-            v = _moment(g, v, b2, 2).astype(v.dtype)
-        m = _moment(g, m, b1, 1).astype(m.dtype)
-        return m, v, jnp.sum(jnp.square(_step(m, v)))
-
-    def _step(m, v):
-        """``m / (sqrt(v) + eps)`` from the moments as stored, in float32 at least."""
-        dt = jnp.promote_types(jnp.promote_types(m.dtype, v.dtype), jnp.float32)
-        return m.astype(dt) / (jnp.sqrt(v.astype(dt)) + eps)
+        if signal is None:
+            return _xla_moments(g, m, v, None, b1, b2, eps, energy=False)
+        gradient, axis, block = signal
+        case = Case("moments", gradient.shape, gradient.dtype, axis, block, state_dtype=m.dtype, energy=energy,
+                    mixed_state=m.dtype != v.dtype, devices=jax.device_count())  # fmt: skip
+        plain = functools.partial(_xla_moments, energy=energy, fast_path=fast_path)
+        return switch(case, fast_path, plain, g, m, v, signal, b1, b2, eps)
 
     def step(updates, state, haar_signals):
         count = jnp.asarray(optax.safe_increment(state.count))
@@ -275,7 +275,7 @@ def scale_by_reference_adam(
         if bias_correction:
             t = count.astype(_scalar_dtype(updates))
             factor = jnp.sqrt(1 - b2**t) / (1 - b1**t)
-        out = jax.tree.map(lambda m, v, g: (factor * _step(m, v)).astype(g.dtype), mu, nu, updates)
+        out = jax.tree.map(lambda m, v, g: (factor * _adam_step(m, v, eps)).astype(g.dtype), mu, nu, updates)
         return out, optax.ScaleByAdamState(count=count, mu=mu, nu=nu), sq_norms
 
     def update_fn(updates, state, params=None, **extra_args):

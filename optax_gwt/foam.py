@@ -23,6 +23,7 @@ from typing import Any
 
 import optax
 
+from optax_gwt.kernels.rules import FastPath
 from optax_gwt.projection import AxisSpec, BatchSpec, MaskSpec
 from optax_gwt.transform import STATIC_ARGS, gwt_adamw, scale_by_gwt
 
@@ -48,6 +49,7 @@ def scale_by_foam(
     min_dim_size: int | None = None,
     mu_dtype: Any | None = None,
     nu_dtype: Any | None = None,
+    fast_path: str | FastPath = "auto",
 ) -> optax.GradientTransformation:
     """FOAM's update direction as one transformation: the GWT chain with FOAM's rules.
 
@@ -77,6 +79,7 @@ def scale_by_foam(
       axis, batch_axes, mask, min_dim_size: see `WaveletProjection` (axis 0 of a Flax
         kernel is the last axis of the PyTorch weight, FOAM's fold axis).
       mu_dtype, nu_dtype: the moments' dtypes.
+      fast_path: see `scale_by_gwt`.
 
     Returns:
       An `optax.GradientTransformation`, the state of `scale_by_gwt`'s chain.
@@ -112,6 +115,7 @@ def scale_by_foam(
         min_dim_size=min_dim_size,
         mu_dtype=mu_dtype,
         nu_dtype=nu_dtype,
+        fast_path=fast_path,
     )
 
 
@@ -133,6 +137,7 @@ def foam_adamw(
     min_dim_size: int | None = None,
     mu_dtype: Any | None = None,
     nu_dtype: Any | None = None,
+    fast_path: str | FastPath = "auto",
 ) -> optax.GradientTransformation:
     """FOAM-AdamW, the optimizer of the FOAM paper (the authors' ``FOAM``).
 
@@ -148,7 +153,7 @@ def foam_adamw(
       learning_rate: a float or an Optax schedule.
       b1, b2, eps, weight_decay, mask: as `gwt_adamw`'s.
       level, scale, residual_scale, norm_growth_limit: see `scale_by_foam`.
-      axis, batch_axes, min_dim_size, mu_dtype, nu_dtype: see `scale_by_foam`.
+      axis, batch_axes, min_dim_size, mu_dtype, nu_dtype, fast_path: see `scale_by_foam`.
       wavelet_mask: which params may be folded (`scale_by_foam`'s mask).
 
     Example:
@@ -180,4 +185,5 @@ def foam_adamw(
         min_dim_size=min_dim_size,
         mu_dtype=mu_dtype,
         nu_dtype=nu_dtype,
+        fast_path=fast_path,
     )

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_gwt import haar, sharding as sharding_lib, wavelets
+from optax_gwt.kernels.rules import FastPath
 
 __all__ = ["LeafSpec", "WaveletProjection", "WaveletCoefficients", "AdamTerms", "project_leaf", "inverse_leaf"]
 
@@ -47,6 +48,7 @@ class LeafSpec:
       wavelet: the DWT's wavelet (PyWavelets' name).
       mode: the DWT's boundary mode.
       batch_axes: how many leading axes are a batch of matrices (`WaveletProjection`).
+      fast_path: the formulations its transform may take (`WaveletProjection`).
 
     Example:
       >>> import jax.numpy as jnp, optax_gwt
@@ -63,6 +65,7 @@ class LeafSpec:
     wavelet: str
     mode: str
     batch_axes: int = 0
+    fast_path: FastPath = FastPath()
 
     @property
     def length(self) -> int:
@@ -128,6 +131,9 @@ class WaveletProjection:
         transformed, and an axis too short for `level` is an error (too short:
         fewer than ``2^level`` samples, or an approximation that would not be
         shorter than the axis, as happens with long filters on short axes).
+      fast_path: which chip-specific formulations the Haar closed form may take
+        (`optax_gwt.kernels`): ``"auto"`` (default), ``"xla"`` or a
+        `optax_gwt.kernels.FastPath`. The stages read it from each array's `LeafSpec`.
 
     Example:
       >>> import jax.numpy as jnp, optax_gwt
@@ -143,8 +149,10 @@ class WaveletProjection:
     mask: MaskSpec = None
     min_dim_size: int | None = None
     batch_axes: BatchSpec = 0
+    fast_path: str | FastPath = "auto"
 
     def __post_init__(self):
+        object.__setattr__(self, "fast_path", FastPath.of(self.fast_path))
         if isinstance(self.level, bool) or not isinstance(self.level, (int, np.integer)):
             raise TypeError(
                 f"level must be a static Python int, got {self.level!r}; with "
@@ -208,7 +216,7 @@ class WaveletProjection:
                 "arrays to the base optimizer with min_dim_size, mask or axis."
             )
         spec = (name, tuple(leaf.shape), dtype.name, axis, self.level, self.wavelet, self.mode)
-        return LeafSpec(*spec, batch_axes=int(batch))
+        return LeafSpec(*spec, batch_axes=int(batch), fast_path=FastPath.of(self.fast_path))
 
     def _per_leaf(self, value, tree, leaves_with_path, treedef, what: str) -> list:
         """`value` for each leaf: itself (None or an int), a function's answer, or a prefix tree's entry."""
@@ -359,7 +367,7 @@ def project_leaf(g: jax.Array, spec: LeafSpec) -> WaveletCoefficients:
     details: tuple[jax.Array, ...]
     signal: jax.Array | None
     if spec.closed_form:
-        cA = haar.block_sums(x, spec.axis, spec.block) * jnp.asarray(1 / math.sqrt(spec.block), x.dtype)
+        cA = haar.block_sums(x, spec.axis, spec.block, spec.fast_path) * jnp.asarray(1 / math.sqrt(spec.block), x.dtype)
         details, signal = (), x
     else:
         cA, *rest = wavelets.wavedec(x, spec.wavelet, spec.mode, spec.level, spec.axis)
@@ -416,7 +424,7 @@ def _haar_inverse(node: WaveletCoefficients, weight: jax.Array | None) -> jax.Ar
     s = jnp.asarray(1 / math.sqrt(spec.block), dtype)
 
     def repeat(x):
-        return haar.repeat_blocks(x, spec.axis, spec.block, spec.length)
+        return haar.repeat_blocks(x, spec.axis, spec.block, spec.length, spec.fast_path)
 
     if weight is None:
         return repeat(node.approx * s)

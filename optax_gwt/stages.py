@@ -21,7 +21,6 @@ projection.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -30,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_gwt import haar, sharding as sharding_lib
+from optax_gwt import haar, kernels, sharding as sharding_lib
 from optax_gwt.adam import GWTBase, Preconditioner, _scalar_dtype
 from optax_gwt.projection import (
     AdamTerms,
@@ -447,53 +446,53 @@ def _limit_factors(nodes: list, r_prev: list, count: jax.Array, gamma: float) ->
     """Fira's ``lam`` and the norm ``r`` of each node's step (per matrix, in its batch shape).
 
     ``r = ||approx / step_scale||`` per matrix, from the base's squared norm where it gave
-    one. On a CPU all the arrays' scalars are one vector (a few ops, not a few per array).
-    On GPUs and TPUs each array's are its own: one vector makes every array's full-size
-    pass wait for every array's norm, so that all the arrays' approximations are live at
-    once (GWT-3 on an H100: 12 MiB of temporaries, 0.4 MiB per array) and no gradient
-    stays on a TPU's chip between its two passes (GWT-2 on a v5e: 0.73x AdamW's bytes,
-    0.64x per array), for about one more scalar kernel per array (``python -m
-    benchmarks.target_compile``). The values are the same either way.
+    one. Each array's scalars are computed on their own (op ``"limiter"`` of
+    `optax_gwt.kernels`: on a CPU they are one vector), so that no array's full-size pass
+    waits for another array's norm. The values are the same either way.
     """
-
-    def per_array() -> tuple[list, list]:
-        lams, rs = [], []
-        for x, p in zip(nodes, r_prev, strict=True):
-            lam, r = _stacked_limit_factors([x], [p], count, gamma)
-            lams += lam
-            rs += r
-        return lams, rs
-
-    return jax.lax.platform_dependent(
-        cpu=lambda: _stacked_limit_factors(nodes, r_prev, count, gamma), default=per_array
-    )
-
-
-def _stacked_limit_factors(nodes: list, r_prev: list, count: jax.Array, gamma: float) -> tuple[list, list]:
-    """`_limit_factors` with all the nodes' scalars in one vector."""
     dt = _scalar_dtype(r_prev)
-    sq, scale, prev, sizes = [], [], [], []
-    for x, p in zip(nodes, r_prev, strict=True):
-        b = x.spec.batch_axes
-        if b == 0:
-            sq.append((x.sq_norm if x.sq_norm is not None else jnp.sum(jnp.square(x.approx)))[None])
-        else:
-            sq.append(matrix_sq_norms(x.approx, b).reshape(-1))
-        _require(
-            jnp.shape(p) == x.spec.batch_shape,
-            "limit_norm_growth",
-            f"{x.spec.path} has {b} batch axes: build limit_norm_growth(gamma, projection) with the projection",
-        )
-        ones = jnp.ones(sq[-1].shape, dt)
-        scale.append(ones if b == 0 and x.sq_norm is not None else ones * x.step_scale.astype(dt))
-        prev.append(p.astype(dt).reshape(-1))
-        sizes.append(sq[-1].shape[0])
-    r = jnp.sqrt(jnp.concatenate(sq).astype(dt)) / jnp.concatenate(scale)
-    lam = jnp.where(count == 0, 1.0, jnp.maximum(r / (jnp.concatenate(prev) + 1e-8), gamma) / gamma).astype(dt)
-    bounds = list(itertools.accumulate(sizes))[:-1]
+    inputs = [_limit_inputs(x, p, dt) for x, p in zip(nodes, r_prev, strict=True)]
+    sq, scale, prev = ([t[i] for t in inputs] for i in range(3))
+
+    def per_array(sq, scale, prev, count, gamma):
+        out = [limit_factors(*t, count, gamma) for t in zip(sq, scale, prev, strict=True)]
+        return [lam for lam, _ in out], [r for _, r in out]
+
+    lams, rs = kernels.switch(
+        kernels.Case("limiter"), nodes[0].spec.fast_path, per_array, sq, scale, prev, count, gamma
+    )
     shapes = [x.spec.batch_shape for x in nodes]
-    split = lambda v: [part.reshape(shape) for part, shape in zip(jnp.split(v, bounds), shapes, strict=True)]  # noqa: E731
-    return split(lam), split(r)
+    return [v.reshape(s) for v, s in zip(lams, shapes, strict=True)], [
+        v.reshape(s) for v, s in zip(rs, shapes, strict=True)
+    ]
+
+
+def _limit_inputs(x: WaveletCoefficients, p: jax.Array, dt: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One node's squared norms, step scales and previous norms, one entry per matrix."""
+    b = x.spec.batch_axes
+    if b == 0:
+        sq = (x.sq_norm if x.sq_norm is not None else jnp.sum(jnp.square(x.approx)))[None]
+    else:
+        sq = matrix_sq_norms(x.approx, b).reshape(-1)
+    _require(
+        jnp.shape(p) == x.spec.batch_shape,
+        "limit_norm_growth",
+        f"{x.spec.path} has {b} batch axes: build limit_norm_growth(gamma, projection) with the projection",
+    )
+    ones = jnp.ones(sq.shape, dt)
+    assert x.step_scale is not None  # limit_norm_growth checked it
+    scale = ones if b == 0 and x.sq_norm is not None else ones * x.step_scale.astype(dt)
+    return sq, scale, p.astype(dt).reshape(-1)
+
+
+def limit_factors(sq: jax.Array, scale: jax.Array, prev: jax.Array, count: jax.Array, gamma: float):
+    """Fira's limiter on vectors of matrices' squared norms `sq`, step scales and previous
+    norms: ``(lam, r)`` with ``r = sqrt(sq) / scale`` and ``lam = max(r / prev, gamma) /
+    gamma`` (1 at the first step)."""
+    dt = prev.dtype
+    r = jnp.sqrt(sq.astype(dt)) / scale
+    lam = jnp.where(count == 0, 1.0, jnp.maximum(r / (prev + 1e-8), gamma) / gamma).astype(dt)
+    return lam, r
 
 
 def _scalar_owners(updates: Any, scalars: Any) -> list[int]:
@@ -598,6 +597,7 @@ def _adam_update(
         scale=scale,
         out_dtype=x.spec.dtype,
         storage_dtype=x.signal_dtype,
+        fast_path=x.spec.fast_path,
     )
 
 

@@ -9,6 +9,7 @@ lives in one stage.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_gwt.adam import GWTBase, adam_preconditioner, scale_by_reference_adam
+from optax_gwt.kernels.rules import FastPath
 from optax_gwt.projection import AxisSpec, BatchSpec, MaskSpec, WaveletProjection
 from optax_gwt.stages import DETAIL_RULES, limit_norm_growth, on_approximation, wavelet_inverse, wavelet_project
 
@@ -42,6 +44,7 @@ STATIC_ARGS = (
     "nu_dtype",
     "mask",
     "wavelet_mask",
+    "fast_path",
 )
 
 
@@ -68,7 +71,7 @@ def scale_by_gwt(
     min_dim_size: int | None = None,
     mu_dtype: Any | None = None,
     nu_dtype: Any | None = None,
-    cpu_kernel: bool = True,
+    fast_path: str | FastPath = "auto",
 ) -> optax.GradientTransformation:
     """GWT as one transformation: the chain of its four stages.
 
@@ -100,11 +103,14 @@ def scale_by_gwt(
         pass waits for its own step's norm (a reduction across devices under
         FSDP).
       b1, b2, eps, mu_dtype, nu_dtype: the built-in Adam's (see above).
-      cpu_kernel: with the built-in Adam, the limiter on, rule ``"adam"`` or
-        ``"auto"`` and no `detail_clip`: compute Haar moments with the compiled
-        CPU kernel where it applies (`scale_by_reference_adam`). It agrees with
-        the XLA path to float rounding per step (which compounds over a run);
-        it is not differentiable (set False to differentiate the update).
+      fast_path: which chip-specific formulations the step may take
+        (`optax_gwt.kernels`): ``"auto"`` (default) the rows of the table for
+        the platform the step is lowered for, all differentiable and computing
+        the plain chain's values; ``"xla"`` the plain formulation everywhere; or an
+        `optax_gwt.kernels.FastPath`. ``FastPath(cpu_kernel=True)`` adds the
+        compiled CPU kernel for the built-in Adam's moments (with the limiter
+        on, rule ``"adam"`` or ``"auto"`` and no `detail_clip`): it agrees with
+        the XLA path to float rounding per step, and has no derivatives.
 
     Half-precision gradients are transformed, and the update computed, in
     float32; the base gets the approximation in the gradient's dtype, and
@@ -122,16 +128,16 @@ def scale_by_gwt(
       >>> u["w"].shape, state[1].inner_state.mu["w"].shape
       ((6, 4), (3, 4))
     """
-    projection = WaveletProjection(level, wavelet, mode, axis, mask, min_dim_size, batch_axes)
+    fp = FastPath.of(fast_path)
+    projection = WaveletProjection(level, wavelet, mode, axis, mask, min_dim_size, batch_axes, fast_path=fp)
     if detail_rule not in DETAIL_RULES:
         raise ValueError(f"detail_rule must be one of {DETAIL_RULES}, got {detail_rule!r}")
     base: optax.GradientTransformation | GWTBase
     if base_optimizer is None:
-        kernel = (
-            cpu_kernel and norm_growth_limit is not None and detail_rule in ("auto", "adam") and detail_clip is None
-        )
+        kernel = norm_growth_limit is not None and detail_rule in ("auto", "adam") and detail_clip is None
+        base_fp = fp if kernel else dataclasses.replace(fp, cpu_kernel=False)
         base = scale_by_reference_adam(
-            b1, b2, eps, mu_dtype, nu_dtype=nu_dtype, cpu_kernel=kernel, second_moment=second_moment
+            b1, b2, eps, mu_dtype, nu_dtype=nu_dtype, second_moment=second_moment, fast_path=base_fp
         )
         preconditioner = None
     else:
@@ -181,7 +187,7 @@ def gwt_adamw(
     min_dim_size: int | None = None,
     mu_dtype: Any | None = None,
     nu_dtype: Any | None = None,
-    cpu_kernel: bool = True,
+    fast_path: str | FastPath = "auto",
 ) -> optax.GradientTransformation:
     """GWT-AdamW, the optimizer of the paper (the authors' WaveAdamW).
 
@@ -203,7 +209,7 @@ def gwt_adamw(
       level, wavelet, mode, axis, batch_axes, min_dim_size: see `scale_by_gwt`.
       scale, norm_growth_limit, norm_growth_delayed, detail_rule: see `scale_by_gwt`.
       bias_correct_details, detail_clip, second_moment, residual_scale: see `scale_by_gwt`.
-      mu_dtype, nu_dtype, cpu_kernel: see `scale_by_gwt`.
+      mu_dtype, nu_dtype, fast_path: see `scale_by_gwt`.
       wavelet_mask: which params may be transformed (`scale_by_gwt`'s mask).
 
     Example:
@@ -237,7 +243,7 @@ def gwt_adamw(
             min_dim_size=min_dim_size,
             mu_dtype=mu_dtype,
             nu_dtype=nu_dtype,
-            cpu_kernel=cpu_kernel,
+            fast_path=fast_path,
         )
     ]
     stages.append(optax.scale_by_learning_rate(learning_rate))

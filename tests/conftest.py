@@ -29,21 +29,6 @@ def x64():
         yield
 
 
-@pytest.fixture
-def lower_as(monkeypatch):
-    """``lower_as("tpu")`` (or ``"cuda"``): from then on the test's programs take the branches of
-    `jax.lax.platform_dependent` that a program compiled for that platform gets (the default
-    where it names none), while they run on the CPU."""
-
-    def set_platform(platform: str) -> None:
-        def choose(*args, default=None, **branches):
-            return branches.get(platform, default)(*args)
-
-        monkeypatch.setattr(jax.lax, "platform_dependent", choose)
-
-    return set_platform
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """The quick subset (``-m "not slow"``) runs the first case of each parametrized

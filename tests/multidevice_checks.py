@@ -389,10 +389,11 @@ def test_eager_init_state_follows_the_params(make):
 
 @pytest.mark.parametrize("shape,spec,block", [((512, 1024), P("data", "model"), 2), ((512, 1024), P(None, "model"), 4)])
 def test_tpu_kernel_runs_per_device_only(shape, spec, block, monkeypatch):
-    """optax_gwt.tpu_kernel (in Pallas's interpreter) on a mesh: a program XLA partitions takes
+    """optax_gwt.kernels.pallas_tpu (in Pallas's interpreter) on a mesh: a program XLA partitions takes
     the XLA path (a custom call's operands would be gathered); the body of a `jax.shard_map`
     runs the kernel on each device's shard. Both give the one-device update."""
-    from optax_gwt import haar, tpu_kernel
+    from optax_gwt import haar
+    from optax_gwt.kernels import pallas_tpu as tpu_kernel
 
     lowered = []
     pallas_update = tpu_kernel._pallas_update
@@ -406,7 +407,7 @@ def test_tpu_kernel_runs_per_device_only(shape, spec, block, monkeypatch):
     def update(g, approx, mu, nu, scalars):
         return tpu_kernel.haar_adam_update(
             g, approx, mu, nu, scalars, block=block, residual=False, compute=jnp.float32, out=jnp.float32,
-            fallback=haar._update_from_scalars, interpret=True,
+            fallback=haar.update_from_scalars, interpret=True, fast_path=optax_gwt.FastPath(),
         )  # fmt: skip
 
     expected = jax.jit(update)(g, *small, scalars)
@@ -422,9 +423,9 @@ def test_tpu_kernel_runs_per_device_only(shape, spec, block, monkeypatch):
 
 
 def test_one_device_or_takes_partitioned_in_an_spmd_program():
-    """`per_device.one_device_or`: a program XLA partitions over 8 devices lowers the partitioned
+    """`kernels.lowering.one_device_or`: a program XLA partitions over 8 devices lowers the partitioned
     function; the body of a `jax.shard_map` manual over the mesh lowers the single one."""
-    from optax_gwt.per_device import one_device_or
+    from optax_gwt.kernels.lowering import one_device_or
 
     choose = functools.partial(one_device_or, lambda x: x + 1, lambda x: x + 2)
     mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
@@ -435,17 +436,19 @@ def test_one_device_or_takes_partitioned_in_an_spmd_program():
 
 
 @pytest.mark.parametrize("spec", [P(None, None, "fsdp"), P()], ids=["sharded", "replicated"])
-def test_stacked_update_as_a_tpu_partitions_it(spec, lower_as):
+def test_stacked_update_as_a_tpu_partitions_it(spec):
     """Stacked matrices (``batch_axes=1``) split over 8 devices, with the formulations a TPU
-    program takes (`haar.repeat_blocks`: runs of 128 in a partitioned program, of 32 on one
-    device), run here: the steps equal one device's to float32 rounding."""
-    lower_as("tpu")
+    program takes (``FastPath(platform="tpu")``; rows ``tpu-repeat-partitioned`` in a partitioned
+    program, ``tpu-repeat-one-device`` on one device), run here: the steps equal one device's to
+    float32 rounding."""
     mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
     rng = np.random.default_rng(3)
     shape = (3, 64, 128)
     params = {"w": jnp.asarray(rng.standard_normal(shape), jnp.float32)}
     grads = [{"w": jnp.asarray(rng.standard_normal(shape), jnp.float32)} for _ in range(3)]
-    tx = optax_gwt.gwt_adamw(1e-2, level=2, weight_decay=0.1, batch_axes=1)
+    tx = optax_gwt.gwt_adamw(
+        1e-2, level=2, weight_decay=0.1, batch_axes=1, fast_path=optax_gwt.FastPath(platform="tpu")
+    )
 
     def run(put):
         p = put(params)

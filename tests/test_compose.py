@@ -14,7 +14,7 @@ def hand_gwt_adamw(learning_rate, level=2, weight_decay=None):
     proj = optax_gwt.WaveletProjection(level=level)
     stages = [
         optax_gwt.wavelet_project(proj),
-        optax_gwt.on_approximation(optax_gwt.scale_by_reference_adam(eps=1e-6, cpu_kernel=True), proj),
+        optax_gwt.on_approximation(optax_gwt.scale_by_reference_adam(eps=1e-6), proj),
         optax_gwt.limit_norm_growth(1.01),
         optax_gwt.wavelet_inverse(scale=0.25),
         optax.scale_by_learning_rate(learning_rate),

@@ -56,10 +56,12 @@ def trajectory(tx, shapes, steps=5, seed=0, dtype=np.float64):
 
 @pytest.mark.parametrize("kernel", [False, True])
 def test_hand_chain_equals_gwt_adamw_bit_for_bit(kernel):
-    proj = optax_gwt.WaveletProjection(level=2)
-    base = optax_gwt.scale_by_reference_adam(eps=1e-6, cpu_kernel=kernel)
+    fast_path = optax_gwt.FastPath(cpu_kernel=kernel)
+    proj = optax_gwt.WaveletProjection(level=2, fast_path=fast_path)
+    base = optax_gwt.scale_by_reference_adam(eps=1e-6, fast_path=fast_path)
     got, _ = trajectory(hand_chain(proj, base), SHAPES, dtype=np.float32)
-    want, _ = trajectory(optax_gwt.gwt_adamw(LR, weight_decay=WD, level=2, cpu_kernel=kernel), SHAPES, dtype=np.float32)
+    builder = optax_gwt.gwt_adamw(LR, weight_decay=WD, level=2, fast_path=fast_path)
+    want, _ = trajectory(builder, SHAPES, dtype=np.float32)
     chex.assert_trees_all_equal(got, want)
 
 
@@ -206,10 +208,12 @@ def test_other_bases_against_their_references(name):
 
 def test_cpu_kernel_path_agrees_with_xla_path_per_step():
     """Per step, on identical inputs, in float32: within float32 rounding (the documented promise)."""
-    if not optax_gwt.cpu_kernel.available():
+    from optax_gwt.kernels import cpu_ffi
+
+    if not cpu_ffi.available():
         pytest.skip("no C++ compiler: the kernel is not built")
     params = {"w": jnp.ones((64, 24)), "o": jnp.ones((33, 8))}
-    fast, plain = (optax_gwt.gwt_adamw(LR, cpu_kernel=k) for k in (True, False))
+    fast, plain = (optax_gwt.gwt_adamw(LR, fast_path=optax_gwt.FastPath(cpu_kernel=k)) for k in (True, False))
     state = fast.init(params)
     for g in grads_seq({k: v.shape for k, v in params.items()}, 4, dtype=np.float32):
         g = jax.tree.map(jnp.asarray, g)
@@ -385,10 +389,10 @@ def test_block_means_from_the_gradient_equal_those_from_the_approximation(shape,
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_chunked_repeat_equals_numpy_repeat(shape, axis, block, max_chunk, dtype):
     """The TPU's block repeat (a contraction per run of the axis) is NumPy's repeat, bit for bit."""
-    from optax_gwt import haar
+    from optax_gwt.kernels import xla_chips
 
     x = jnp.asarray(np.random.default_rng(block).standard_normal(shape) * 1e3, dtype)
-    got = haar.chunked_repeat(x, axis, block, max_chunk)
+    got = xla_chips.chunked_repeat(x, axis, block, max_chunk)
     assert got.dtype == x.dtype
     np.testing.assert_array_equal(np.asarray(got, np.float64), np.repeat(np.asarray(x, np.float64), block, axis=axis))
 
@@ -401,11 +405,11 @@ def test_chunked_repeat_equals_numpy_repeat(shape, axis, block, max_chunk, dtype
 def test_chunked_block_sums_equal_numpy(shape, axis, block, max_chunk, dtype):
     """The TPU's block sums (a contraction per run of the axis) against NumPy's in float64: to float32
     rounding, and exact for bfloat16 inputs of up to 8 entries per block summed into float32."""
-    from optax_gwt import haar
+    from optax_gwt.kernels import xla_chips
 
     x = np.asarray(jnp.asarray(np.random.default_rng(block).standard_normal(shape), dtype), np.float64)
     want = np.add.reduceat(x, np.arange(0, shape[axis], block), axis=axis)
-    got = haar.chunked_block_sums(jnp.asarray(x, jnp.float32), axis, block, max_chunk)
+    got = xla_chips.chunked_block_sums(jnp.asarray(x, jnp.float32), axis, block, max_chunk)
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=4e-7 * np.abs(x).max() * block)
     if dtype == jnp.bfloat16 and block <= 8:
         np.testing.assert_array_equal(np.asarray(got, np.float64), want)

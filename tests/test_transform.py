@@ -177,16 +177,16 @@ def test_float32_close_to_float64_reference():
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("level", [1, 2, 3])
-def test_what_a_gpu_or_tpu_compiles_equals_reference(platform, dtype, level, lower_as):
+def test_what_a_gpu_or_tpu_compiles_equals_reference(platform, dtype, level):
     """The formulations chosen for GPUs and TPUs when lowering (the limiter's scalars per array,
     block sums and repeats as contractions, block means from the gradient), run here on the CPU: the
     float64 reference's trajectory, to float64 rounding, or in float32 within the bound of
     `test_float32_close_to_float64_reference`. Axis lengths that the block divides and ones
-    that it does not (a short last block), rows of 128 lanes (`haar.chunked_repeat`). (Stacked
-    matrices: `test_pytrees`.)"""
-    lower_as(platform)
+    that it does not (a short last block), rows of 128 lanes (row ``tpu-repeat-one-device``).
+    (Stacked matrices: `test_pytrees`; each row: `test_kernels`.)"""
     shapes = {"w": (37, 6), "v": (16, 5), "sq": (64, 8), "lanes": (32, 128), "bias": (7,)}
-    opt = optax_gwt.gwt_adamw(1e-2, weight_decay=0.1, level=level)
+    fast_path = optax_gwt.FastPath(platform=platform)
+    opt = optax_gwt.gwt_adamw(1e-2, weight_decay=0.1, level=level, fast_path=fast_path)
     got, want, _ = _run_both(opt, ReferenceGWTAdamW(lr=1e-2, weight_decay=0.1, level=level), shapes, 5, dtype=dtype)
     start, _ = _problem(shapes)
     for k in want:

@@ -1,12 +1,11 @@
-"""A Pallas (Mosaic) kernel for the full-size pass of Haar GWT with Adam on TPUs.
+"""A Pallas (Mosaic) kernel for the full-size pass of Haar GWT with Adam on TPUs (row ``tpu-pallas-update``).
 
 `haar.adam_update` repeats each per-block value (the block mean, Adam's moments)
 ``B = 2^level`` times along the transform axis. On a TPU, where an array's rows
 sit in tiles of 8, a repeat over 2 or 4 rows is a shuffle inside a tile that XLA
 does not fuse into the elementwise pass: for matrices of 1B and 7B models (from
 about 2048 x 5461) it writes the repeated arrays to HBM at full size, and the step
-moves more bytes than AdamW's (``python -m benchmarks.target_compile --model 7b
---layers 1``, docs/performance.md).
+moves more bytes than AdamW's.
 
 `haar_adam_update` never forms the repeat. It computes the same expression in VMEM
 over tiles of ``(rows, 128)`` of the gradient: with ``q = rows / B``, the ``(q, 128)``
@@ -21,18 +20,15 @@ It is a custom call, which XLA's SPMD partitioner cannot split: the kernel is ta
 where the program runs as written on each device (one device, or the body of a
 `jax.shard_map` manual over all its mesh axes), and its tiling fits; a program that
 XLA partitions over a mesh, a batch under `jax.vmap` and derivatives take the same
-update by XLA (`haar.adam_update` passes it as ``fallback``). On other backends the
-kernel runs in Pallas's interpreter (``interpret=True``), which is how the tests
-compare it with the XLA path on the CPU.
+update by XLA (`haar.update_from_scalars`, its ``fallback``). On other backends the
+kernel runs in Pallas's interpreter (``interpret=True``, `FastPath.platform` ``"tpu"``),
+which is how the tests compare it with the XLA path on the CPU.
 
 The update is written in full size once (XLA cannot fuse a custom call with the
 ``apply_updates`` that follows), in a buffer of its own: given the gradient's
 (``input_output_aliases``), a train step would save that one buffer, but where the
 gradient is an argument of the program (an update step, or `optax.MultiSteps`'s
-accumulator) XLA copies every gradient first, and holds the copies at once (one 7B
-layer's update step on v5e: 819 MiB of temporaries instead of 219). The bytes it moves
-and its temporaries are measured by ``python -m benchmarks.target_compile``
-(docs/performance.md).
+accumulator) XLA copies every gradient first, and holds the copies at once.
 """
 
 from __future__ import annotations
@@ -47,20 +43,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.interpreters import ad, batching, mlir
 
-from optax_gwt.per_device import batch_first, jvp_of, on_one_device
+from optax_gwt.kernels.lowering import batch_first, jvp_of, on_one_device
+from optax_gwt.kernels.rules import LANES, Case
 
-__all__ = ["applies", "haar_adam_update"]
-
-#: Lanes of a tile: Mosaic's strided loads and stores need a buffer exactly this wide.
-LANES = 128
+__all__ = ["applies", "haar_adam_update", "update"]
 #: The most gradient rows per tile (1 MiB of float32 per buffer, double-buffered in and out).
 MAX_ROWS = 2048
-#: The fewest entries of a matrix that `haar.adam_update` gives the kernel. Below, XLA keeps
-#: the full-size pass's intermediates in the TPU's VMEM and its step moves fewer bytes than
-#: one with the kernel, whose update goes through HBM (``python -m benchmarks.target_compile
-#: --step train``: LLaMA-60M, 512 x 1376, and 1B's 2048 x 2048 keep them; from 2048 x 5461 XLA
-#: writes its repeats to HBM).
-MIN_ENTRIES = 2**23
 
 
 def tile_rows(n: int, block: int, small_itemsize: int) -> int:
@@ -127,8 +115,8 @@ def _pallas_update(g, approx, mu, nu, scalars, *, block: int, residual: bool, co
     )(scalars, g, approx, mu, nu)
 
 
-def _fallback_fun(fallback, block, residual, compute, out, **_):
-    return functools.partial(fallback, block=block, residual=residual, compute=compute, out=out)
+def _fallback_fun(fallback, block, residual, compute, out, fast_path, **_):
+    return functools.partial(fallback, block=block, residual=residual, compute=compute, out=out, fast_path=fast_path)
 
 
 def _lowering(ctx, *args, kernel: bool, **params):
@@ -176,6 +164,7 @@ def haar_adam_update(
     compute: Any,
     out: Any,
     fallback,
+    fast_path: Any = "auto",
     interpret: bool = False,
 ) -> jax.Array:
     """`haar.adam_update`'s scaled update of an ``(n, m)`` matrix along axis 0, as a kernel.
@@ -190,8 +179,9 @@ def haar_adam_update(
       residual: whether ``(rho * (G - mean))^2`` enters the square root (FOAM's rule).
       compute, out: the dtype of the arithmetic and of the result (``scale * update``).
       fallback: ``fallback(g, approx, mu, nu, scalars, block=, residual=, compute=,
-        out=)``, the same by XLA (see the module's docstring for where it is taken);
-        a module-level function (a parameter of the primitive, hashed).
+        out=, fast_path=)``, the same by XLA (see the module's docstring for where it is
+        taken); a module-level function (a parameter of the primitive, hashed).
+      fast_path: the fallback's (hashable).
       interpret: run the kernel in Pallas's interpreter on any backend (for tests);
         without it only a TPU runs the kernel.
 
@@ -200,5 +190,25 @@ def haar_adam_update(
     """
     return _update_p.bind(
         g, approx, mu, nu, scalars, block=block, residual=residual, compute=jnp.dtype(compute), out=jnp.dtype(out),
-        interpret=interpret, fallback=fallback,
+        interpret=interpret, fallback=fallback, fast_path=fast_path,
     )  # fmt: skip
+
+
+def update(case: Case, plain: Any) -> Any:
+    """Row ``tpu-pallas-update``: ``f(g, approx, mu, nu, factors)`` (`haar.adam_update`'s
+    arrays, and its scalars ``eps, approx_factor, detail_factor, rho, scale``);
+    ``f.emulated`` runs the kernel in Pallas's interpreter."""
+    from optax_gwt.haar import update_from_scalars
+
+    def on(interpret: bool):
+        def f(g, approx, mu, nu, factors):
+            scalars = jnp.stack([jnp.asarray(x, jnp.float32) for x in factors])
+            return haar_adam_update(
+                g, approx, mu, nu, scalars, fallback=update_from_scalars, interpret=interpret, **plain.options
+            )
+
+        return f
+
+    kernel = on(False)
+    kernel.emulated = on(True)
+    return kernel

@@ -1,4 +1,4 @@
-"""`optax_gwt.per_device`: the choice made when a program is lowered (8 devices: multidevice_checks)."""
+"""`optax_gwt.kernels.lowering`: the choice made when a program is lowered (8 devices: multidevice_checks)."""
 
 import functools
 
@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_gwt.per_device import one_device_or
+from optax_gwt.kernels.lowering import one_device_or
 
 
 def _plus(k, x):

@@ -1,7 +1,7 @@
 """Formulations chosen when a program is lowered: as written on each device, or partitioned.
 
 Some forms of a computation compile well only where XLA sees each device's whole
-arrays: a Pallas kernel (`optax_gwt.tpu_kernel`), or a contraction whose layout fits the
+arrays: a Pallas kernel (`optax_gwt.kernels.pallas_tpu`), or a contraction whose layout fits the
 chip's tiles for the global shape but not for one device's shard of it. Whether a
 program runs as written on each device (one device, or the body of a `jax.shard_map`
 manual over all its mesh axes) or is partitioned by XLA's SPMD partitioner is known only
@@ -17,7 +17,6 @@ from collections.abc import Callable
 import jax
 import jax.extend
 import jax.numpy as jnp
-from jax._src.sharding_impls import ShardingContext, SPMDAxisContext
 from jax.interpreters import ad, batching, mlir
 
 __all__ = ["batch_first", "jvp_of", "on_one_device", "one_device_or"]
@@ -28,9 +27,12 @@ def on_one_device(ctx) -> bool:
     device: one device, or the body of a `jax.shard_map` manual over every mesh axis (not
     an SPMD program that XLA partitions)."""
     axes = ctx.module_context.axis_context
-    if isinstance(axes, SPMDAxisContext):
-        return set(axes.manual_axes) == set(axes.mesh.axis_names)
-    return isinstance(axes, ShardingContext) and axes.num_devices == 1
+    # Read by attribute: JAX's axis contexts are not public. An SPMD context names its mesh
+    # and manual axes; a plain sharding context counts its devices.
+    manual, mesh = getattr(axes, "manual_axes", None), getattr(axes, "mesh", None)
+    if manual is not None and mesh is not None:
+        return set(manual) == set(mesh.axis_names)
+    return getattr(axes, "num_devices", None) == 1
 
 
 def one_device_or(single: Callable, partitioned: Callable, *args: jax.Array) -> jax.Array:

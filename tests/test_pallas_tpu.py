@@ -1,4 +1,4 @@
-"""optax_gwt.tpu_kernel in Pallas's interpreter on the CPU, against the XLA path of
+"""optax_gwt.kernels.pallas_tpu (row ``tpu-pallas-update``) in Pallas's interpreter on the CPU, against the XLA path of
 `haar.adam_update` (what every other backend runs) and a float64 NumPy formula.
 Its compiled form for the TPUs is checked in tests/test_targets.py."""
 
@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from optax_gwt import haar, tpu_kernel
+from optax_gwt import haar
+from optax_gwt.kernels import Case, FastPath, pallas_tpu as tpu_kernel, rules, select
 
 SCALE = 0.25
 
@@ -35,7 +36,7 @@ def _kernel(g, approx, mu, nu, block, residual, interpret=True):
     )  # fmt: skip
     return tpu_kernel.haar_adam_update(
         g, approx, mu, nu, scalars, block=block, residual=residual is not None, compute=jnp.float32,
-        out=g.dtype, fallback=haar._update_from_scalars, interpret=interpret,
+        out=g.dtype, fallback=haar.update_from_scalars, interpret=interpret, fast_path=FastPath(),
     )  # fmt: skip
 
 
@@ -105,18 +106,20 @@ def test_vmap_and_jvp_take_the_xla_path():
 @pytest.mark.parametrize(
     "shape,block,axis,fits",
     [
-        ((512, 512), 4, 0, True),
+        ((4096, 2048), 4, 0, True),
         ((5461, 2048), 4, 0, True),  # a short last block; 5461 = 2 tiles of 2048 rows and a part
-        ((48, 200), 2, 0, True),  # smaller than a tile, columns not whole 128-lane tiles
-        ((512, 512), 4, 1, False),  # along the lanes
-        ((512, 512, 2), 4, 0, False),  # not a matrix
-        ((512, 512), 1, 0, False),
+        ((2**16, 200), 2, 0, True),  # columns not whole 128-lane tiles
+        ((4096, 2048), 4, 1, False),  # along the lanes
+        ((4096, 2048, 2), 4, 0, False),  # not a matrix
+        ((4096, 2048), 1, 0, False),
     ],
 )
-def test_applies_to_matrices_along_their_rows(shape, block, axis, fits):
-    g = jax.ShapeDtypeStruct(shape, jnp.float32)
-    small = jax.ShapeDtypeStruct((-(-shape[0] // block), *shape[1:]), jnp.float32)
-    assert tpu_kernel.applies(g, (small,) * 3, axis, block) == fits
+def test_row_takes_matrices_along_their_rows(shape, block, axis, fits):
+    small = list(shape)
+    small[axis] = -(-shape[axis] // block)
+    case = Case("update", shape, np.float32, axis, block, state_dtype=np.float32, per_block_shape=tuple(small))
+    row = select(case, "tpu")[0]
+    assert (row is not None and row.name == "tpu-pallas-update") == fits
 
 
 def test_tiles_are_whole_blocks_of_tpu_tiles():
@@ -126,18 +129,25 @@ def test_tiles_are_whole_blocks_of_tpu_tiles():
 
 
 @pytest.mark.parametrize(
-    "shape,block,dtype,env,taken",
+    "shape,block,dtype,fast_path,taken",
     [
-        ((2048, 4096), 4, jnp.float32, None, True),
-        ((2048, 4096), 2, jnp.bfloat16, None, True),
-        ((2048, 4096), 8, jnp.float32, None, False),  # level 3: XLA's pass
-        ((2048, 2048), 4, jnp.float32, None, False),  # small: XLA keeps it on chip
-        ((2048, 4096), 4, jnp.float32, "0", False),
+        ((2048, 4096), 4, jnp.float32, "auto", True),
+        ((2048, 4096), 2, jnp.bfloat16, "auto", True),
+        ((2048, 4096), 8, jnp.float32, "auto", False),  # level 3: XLA's pass
+        ((2048, 2048), 4, jnp.float32, "auto", False),  # small: XLA keeps it on chip
+        ((2048, 4096), 4, jnp.float32, FastPath(pallas=False), False),
+        ((2048, 4096), 4, jnp.float32, "xla", False),
     ],
 )
-def test_where_adam_update_takes_the_kernel_on_a_tpu(shape, block, dtype, env, taken, monkeypatch):
-    if env is not None:
-        monkeypatch.setenv("OPTAX_GWT_TPU_KERNEL", env)
+def test_where_adam_update_takes_the_kernel_on_a_tpu(shape, block, dtype, fast_path, taken):
     g = jax.ShapeDtypeStruct(shape, dtype)
     small = (jax.ShapeDtypeStruct((shape[0] // block, shape[1]), dtype),) * 3
-    assert haar._tpu_kernel_applies(g, small, 0, block, (1e-8, 1.0, 1.0, None, 0.25)) == taken
+    with rules.recording() as chosen:
+        jax.eval_shape(
+            lambda g, a, m, v: haar.adam_update(
+                g, a, m, v, axis=0, block=block, eps=1e-8, approx_factor=jnp.float32(1.0),
+                detail_factor=jnp.float32(1.0), scale=0.25, fast_path=fast_path,
+            ),
+            g, *small,
+        )  # fmt: skip
+    assert ("tpu-pallas-update" in chosen) == taken

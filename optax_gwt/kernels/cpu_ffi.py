@@ -1,4 +1,4 @@
-"""An optional compiled CPU kernel for the first pass of Haar GWT with Adam.
+"""An opt-in compiled CPU kernel for the first pass of Haar GWT with Adam (row ``cpu-ffi-moments``).
 
 XLA on the CPU compiles the approximation's Adam step of Haar GWT into three
 passes: the moments ``m`` and ``v`` are two fusions that each read the full
@@ -11,10 +11,11 @@ the learning rate, weight decay and ``apply_updates``) stays in XLA.
 The kernel is compiled on first use with the system's C++ compiler (``$CXX``,
 else ``c++``) against the FFI headers that ship with jaxlib, and cached in
 ``$OPTAX_GWT_CACHE_DIR`` (default ``~/.cache/optax_gwt``) under a key of the
-source, the jaxlib version and the CPU. Without a compiler, or with
-``OPTAX_GWT_CPU_KERNEL=0`` in the environment, `available` is False and GWT
-uses its XLA path, which computes the same values (it is the reference the
-kernel is tested against).
+source, the jaxlib version and the CPU. Without a compiler `available` is False and
+GWT uses its XLA path, which computes the same values (it is the reference the kernel
+is tested against). It is taken only where asked for (``FastPath(cpu_kernel=True)``):
+a custom call has no derivatives, and its float rounding depends on the machine's
+compiler and CPU.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["available", "applies", "haar_adam_moments"]
+from optax_gwt.kernels.rules import Case
+
+__all__ = ["available", "haar_adam_moments", "moments"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "haar_adam.cc"
 _TARGETS = {
@@ -80,8 +83,6 @@ def _build(compiler: str) -> Path:
 @functools.cache
 def available() -> bool:
     """Whether the kernel is compiled and registered with XLA (compiles it on first call)."""
-    if os.environ.get("OPTAX_GWT_CPU_KERNEL", "1").lower() in ("0", "false", "no", "off"):
-        return False
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         return False
@@ -97,23 +98,6 @@ def available() -> bool:
         )
         return False
     return True
-
-
-def applies(g: jax.Array, mu: jax.Array, nu: jax.Array) -> bool:
-    """Whether `haar_adam_moments` can run on these arrays in the computation being traced.
-
-    It needs the CPU backend with one device (a custom call is not partitioned:
-    on a mesh XLA would gather its operands), float32 or float64 arrays of one
-    dtype, and the compiled kernel.
-    """
-    dtypes = {jnp.dtype(x.dtype) for x in (g, mu, nu)}
-    return (
-        len(dtypes) == 1
-        and dtypes.pop() in _TARGETS
-        and jax.default_backend() == "cpu"
-        and jax.device_count() == 1
-        and available()
-    )
 
 
 def haar_adam_moments(
@@ -159,3 +143,16 @@ def haar_adam_moments(
         g, mu, nu, coefficients, outer=np.int64(outer), n=np.int64(n), inner=np.int64(inner), block=np.int64(block)
     )
     return m, v, sq
+
+
+def moments(case: Case, plain):
+    """Row ``cpu-ffi-moments``: ``f(g, m, v, signal, b1, b2, eps)`` of `optax_gwt.adam`'s moments,
+    or `plain` itself where the kernel could not be built."""
+    if not available():
+        return plain
+
+    def f(g, m, v, signal, b1, b2, eps):
+        gradient, axis, block = signal
+        return haar_adam_moments(gradient, m, v, axis=axis, block=block, b1=b1, b2=b2, eps=eps)
+
+    return f

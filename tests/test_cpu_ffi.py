@@ -1,4 +1,5 @@
-"""The compiled CPU kernel (`optax_gwt.cpu_kernel`) against NumPy, and GWT with it against its XLA path.
+"""The opt-in compiled CPU kernel (`optax_gwt.kernels.cpu_ffi`, row ``cpu-ffi-moments``) against NumPy,
+and GWT with it against its XLA path.
 
 The kernel's moments and norm are checked against an independent NumPy
 computation of its formulas; whole `gwt_adamw` trajectories with the kernel
@@ -21,17 +22,22 @@ import optax
 import pytest
 
 import optax_gwt
-from optax_gwt import cpu_kernel
 from optax_gwt.hlo_traffic import entry_instructions
+from optax_gwt.kernels import Case, FastPath, cpu_ffi, select
 from reference import ReferenceGWTAdamW
 
 pytestmark = pytest.mark.skipif(
-    not cpu_kernel.available(),
-    reason="the optax_gwt CPU kernel could not be built here (no C++ compiler, or OPTAX_GWT_CPU_KERNEL=0)",
+    not cpu_ffi.available(),
+    reason="the optax_gwt CPU kernel could not be built here (no C++ compiler)",
 )
 
 TARGET = {np.float32: "optax_gwt_haar_adam_moments_f32", np.float64: "optax_gwt_haar_adam_moments_f64"}
 B1, B2, EPS = 0.9, 0.999, 1e-6
+KERNEL = FastPath(cpu_kernel=True)
+
+
+def fast(flag: bool):
+    return KERNEL if flag else "auto"
 
 
 # ---------------------------------------------------------------------------
@@ -96,7 +102,7 @@ CASES = [
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
 def test_moments_equal_numpy(shape, axis, block, dtype, x64):
     g, mu, nu = random_inputs(shape, axis, block, dtype)
-    got = cpu_kernel.haar_adam_moments(
+    got = cpu_ffi.haar_adam_moments(
         jnp.asarray(g), jnp.asarray(mu), jnp.asarray(nu), axis=axis, block=block, b1=B1, b2=B2, eps=EPS
     )
     assert all(x.dtype == dtype for x in got)
@@ -108,7 +114,7 @@ def test_inputs_are_not_overwritten():
     # mu and nu alias the outputs in the custom call; without donation XLA must copy them.
     g, mu, nu = random_inputs((37, 6), 0, 4, np.float32)
     jg, jmu, jnu = jnp.asarray(g), jnp.asarray(mu), jnp.asarray(nu)
-    m, v, _ = cpu_kernel.haar_adam_moments(jg, jmu, jnu, axis=0, block=4, b1=B1, b2=B2, eps=EPS)
+    m, v, _ = cpu_ffi.haar_adam_moments(jg, jmu, jnu, axis=0, block=4, b1=B1, b2=B2, eps=EPS)
     assert not np.allclose(m, mu) and not np.allclose(v, nu)
     np.testing.assert_array_equal(jmu, mu)
     np.testing.assert_array_equal(jnu, nu)
@@ -121,7 +127,7 @@ def test_traced_hyperparameters(dtype, x64):
 
     @jax.jit
     def f(g, mu, nu, b1, b2, eps):
-        return cpu_kernel.haar_adam_moments(g, mu, nu, axis=0, block=8, b1=b1, b2=b2, eps=eps)
+        return cpu_ffi.haar_adam_moments(g, mu, nu, axis=0, block=8, b1=b1, b2=b2, eps=eps)
 
     for b1, b2, eps in [(0.9, 0.999, 1e-6), (0.5, 0.9, 1e-3), (0.0, 0.0, 1e-8)]:
         got = f(g, mu, nu, jnp.asarray(b1, dtype), jnp.asarray(b2, dtype), jnp.asarray(eps, dtype))
@@ -139,7 +145,7 @@ def test_vmap_equals_per_example():
     g, mu, nu = (jnp.asarray(np.stack(x)) for x in (gs, mus, nus))
 
     def moments(g, mu, nu):
-        return cpu_kernel.haar_adam_moments(g, mu, nu, axis=axis, block=block, b1=B1, b2=B2, eps=EPS)
+        return cpu_ffi.haar_adam_moments(g, mu, nu, axis=axis, block=block, b1=B1, b2=B2, eps=EPS)
 
     m, v, sq = jax.jit(jax.vmap(moments))(g, mu, nu)
     assert m.shape == mu.shape and v.shape == nu.shape and sq.shape == (batch,)
@@ -162,20 +168,18 @@ def test_wrong_dtypes_are_refused():
     half = [x.astype(jnp.bfloat16) for x in (g, mu, nu)]
     for args in [half, (g, half[1], nu)]:
         with pytest.raises(TypeError, match="float32 or all float64"):
-            cpu_kernel.haar_adam_moments(*args, axis=0, block=4, b1=B1, b2=B2, eps=EPS)
+            cpu_ffi.haar_adam_moments(*args, axis=0, block=4, b1=B1, b2=B2, eps=EPS)
 
 
-def test_applies_only_to_float32_and_float64_of_one_dtype():
-    def arrays(*dtypes):
-        return [jnp.zeros((8, 4), d) for d in dtypes]
+def test_row_applies_only_to_float32_and_float64_of_one_dtype():
+    def row(g, state, fast_path=KERNEL, **kw):
+        return select(Case("moments", (8, 4), g, 0, 4, state_dtype=state, **kw), "cpu", fast_path)[0]
 
-    assert cpu_kernel.applies(*arrays(jnp.float32, jnp.float32, jnp.float32))
-    assert not cpu_kernel.applies(*arrays(jnp.bfloat16, jnp.bfloat16, jnp.bfloat16))
-    assert not cpu_kernel.applies(*arrays(jnp.float16, jnp.float16, jnp.float16))
-    assert not cpu_kernel.applies(*arrays(jnp.float32, jnp.bfloat16, jnp.float32))
-    with jax.enable_x64(True):
-        assert cpu_kernel.applies(*arrays(jnp.float64, jnp.float64, jnp.float64))
-        assert not cpu_kernel.applies(*arrays(jnp.float64, jnp.float32, jnp.float32))
+    assert row(np.float32, np.float32).name == row(np.float64, np.float64).name == "cpu-ffi-moments"
+    assert row(jnp.bfloat16, jnp.bfloat16) is None and row(np.float16, np.float16) is None
+    assert row(np.float32, jnp.bfloat16) is None and row(np.float64, np.float32) is None
+    assert row(np.float32, np.float32, energy=True) is None and row(np.float32, np.float32, devices=8) is None
+    assert row(np.float32, np.float32, fast_path="auto") is None  # opt-in
 
 
 # ---------------------------------------------------------------------------
@@ -244,7 +248,7 @@ def test_trajectory_float32_equals_xla_path(level):
     start, _ = make_params(np.float32)
     out = {}
     for flag in (True, False):
-        opt = optax_gwt.gwt_adamw(3e-2, weight_decay=0.1, level=level, cpu_kernel=flag)
+        opt = optax_gwt.gwt_adamw(3e-2, weight_decay=0.1, level=level, fast_path=fast(flag))
         out[flag] = run(opt, start, np.random.default_rng(1))
     (p_kernel, s_kernel, text_kernel), (p_xla, s_xla, text_xla) = out[True], out[False]
     assert custom_calls(text_kernel) == len(MATRICES)
@@ -262,7 +266,7 @@ def test_trajectory_float32_equals_xla_path(level):
 @pytest.mark.parametrize("level", [1, 2, 3])
 def test_trajectory_float64_equals_reference(level, x64):
     start, rng = make_params(np.float64)
-    opt = optax_gwt.gwt_adamw(3e-2, weight_decay=0.1, level=level)
+    opt = optax_gwt.gwt_adamw(3e-2, weight_decay=0.1, level=level, fast_path=KERNEL)
     ref = ReferenceGWTAdamW(lr=3e-2, weight_decay=0.1, level=level)
     want = {k: np.asarray(p) for k, p in start.items()}
 
@@ -290,7 +294,7 @@ def test_trajectory_float64_equals_reference(level, x64):
 
 def compiled_step(cpu_kernel_flag, params):
     """The entry instructions of the compiled donated train step, and the parameter number of the first gradient."""
-    opt = optax_gwt.gwt_adamw(1e-2, weight_decay=0.1, level=2, cpu_kernel=cpu_kernel_flag)
+    opt = optax_gwt.gwt_adamw(1e-2, weight_decay=0.1, level=2, fast_path=fast(cpu_kernel_flag))
     state = opt.init(params)
     step = jax.jit(train_step(opt), donate_argnums=(0, 1), keep_unused=True)
     text = step.lower(params, state, params).compile().as_text()
@@ -329,32 +333,34 @@ def test_compiled_step_keeps_no_xla_moments():
 # ---------------------------------------------------------------------------
 
 
-def test_disabled_by_environment_falls_back_to_xla(monkeypatch):
+def test_default_takes_no_kernel_and_a_missing_compiler_falls_back(monkeypatch, tmp_path):
     start, _ = make_params(np.float32)
     make_opt = functools.partial(optax_gwt.gwt_adamw, 3e-2, weight_decay=0.1)
-    want, _, _ = run(make_opt(cpu_kernel=False), start, np.random.default_rng(1), steps=3)
+    want, _, text = run(make_opt(), start, np.random.default_rng(1), steps=3)
+    assert any_custom_call(text) == 0
     with monkeypatch.context() as env:
-        env.setenv("OPTAX_GWT_CPU_KERNEL", "0")
-        cpu_kernel.available.cache_clear()
+        env.setenv("CXX", str(tmp_path / "no-such-compiler"))
+        env.setenv("OPTAX_GWT_CACHE_DIR", str(tmp_path))
+        cpu_ffi.available.cache_clear()
         try:
-            assert not cpu_kernel.available()
+            with pytest.warns(UserWarning, match="could not be built"):
+                assert not cpu_ffi.available()
             x = jnp.ones((8, 4))
-            assert not cpu_kernel.applies(x, x, x)
             with pytest.raises(RuntimeError, match="not available"):
-                cpu_kernel.haar_adam_moments(x, x, x, axis=0, block=4, b1=B1, b2=B2, eps=EPS)
-            got, _, text = run(make_opt(), start, np.random.default_rng(1), steps=3)
+                cpu_ffi.haar_adam_moments(x, x, x, axis=0, block=4, b1=B1, b2=B2, eps=EPS)
+            got, _, text = run(make_opt(fast_path=KERNEL), start, np.random.default_rng(1), steps=3)
         finally:
-            cpu_kernel.available.cache_clear()  # recomputed with the environment restored
+            cpu_ffi.available.cache_clear()  # recomputed with the environment restored
     assert any_custom_call(text) == 0
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
-    assert cpu_kernel.available()  # restored for the other tests
+    assert cpu_ffi.available()  # restored for the other tests
 
 
 def kernel_calls_and_agreement(make_opt, params, steps=3):
-    """The kernel's custom calls in the step of ``make_opt(cpu_kernel=True)``; asserts it equals the XLA path."""
-    got, _, text = run(make_opt(cpu_kernel=True), params, np.random.default_rng(2), steps)
-    want, _, text_xla = run(make_opt(cpu_kernel=False), params, np.random.default_rng(2), steps)
+    """The kernel's custom calls in the step of ``make_opt(fast_path=KERNEL)``; asserts it equals the XLA path."""
+    got, _, text = run(make_opt(fast_path=KERNEL), params, np.random.default_rng(2), steps)
+    want, _, text_xla = run(make_opt(), params, np.random.default_rng(2), steps)
     assert any_custom_call(text_xla) == 0
     assert_trajectories_close(got, want, params, rtol=1e-5)
     return any_custom_call(text)
@@ -405,12 +411,12 @@ def test_bfloat16_gradients_skip_the_kernel_per_array():
 _SQ_SCRIPT = """
 import jax, numpy as np, jax.numpy as jnp
 jax.config.update("jax_enable_x64", True)
-from optax_gwt import cpu_kernel
+from optax_gwt.kernels import Case, FastPath, cpu_ffi, select
 rng = np.random.default_rng(3)
 g, mu = rng.standard_normal((2048, 1024)), rng.standard_normal((512, 1024))
 nu = rng.uniform(0.01, 2.0, (512, 1024))
 for dtype in (np.float32, np.float64):
-    m, v, sq = cpu_kernel.haar_adam_moments(
+    m, v, sq = cpu_ffi.haar_adam_moments(
         *(jnp.asarray(x, dtype) for x in (g, mu, nu)), axis=0, block=4, b1=0.9, b2=0.999, eps=1e-6
     )
     print(float(sq).hex(), float(np.asarray(m, np.float64).sum()).hex())

@@ -1,0 +1,131 @@
+"""Chip-specific XLA formulations of Haar GWT's block operations (rows of `rules.RULES`).
+
+Each builder takes the `rules.Case` and the plain formulation and returns a function with
+the plain one's arguments that computes the same values in a form a chip's compiler
+fuses better: block sums and repeats as small contractions with 0/1 matrices (a TPU's
+matrix unit and lane tiles), block means taken from the gradient where the full-size pass
+reads it anyway (GPUs and TPUs), and the limiter's norms as one vector (the CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_gwt.kernels.rules import Case
+
+__all__ = ["TPU_CHUNK", "TPU_REPEAT_CHUNK", "chunked_block_sums", "chunked_repeat"]
+
+#: The longest run of the axis that `chunked_block_sums` contracts at once: one tile of a
+#: TPU's 128 lanes (and the 128 rows of a v5e matrix unit).
+TPU_CHUNK = 128
+#: The longest run of the result that `chunked_repeat` computes at once on one device.
+TPU_REPEAT_CHUNK = 32
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def chunked_block_sums(x: jax.Array, axis: int, block: int, max_chunk: int = TPU_CHUNK) -> jax.Array:
+    """`haar.block_sums` as a contraction, for a length ``n`` along `axis` that `block` divides.
+
+    ``n`` is cut into runs of ``C`` entries (`_chunk`), and each run is multiplied by the
+    ``(C / B, C)`` matrix whose row ``i`` is 1 on block ``i``: ``2 C / B`` flops per
+    entry, at the backend's highest precision (bfloat16 gradients summed exactly in
+    float32; float32 sums rounded in another order than the slices').
+    """
+    n, shape = x.shape[axis], x.shape
+    assert n % block == 0, f"chunked_block_sums needs {block} to divide {n}"
+    chunk = _chunk(n, block, max_chunk)
+    runs = x.reshape(shape[:axis] + (n // chunk, chunk) + shape[axis + 1 :])
+    sums = jnp.tensordot(runs, _block_ones(chunk, block, x.dtype), axes=([axis + 1], [1]), precision=_HIGHEST)
+    return jnp.moveaxis(sums, -1, axis + 1).reshape(shape[:axis] + (n // block,) + shape[axis + 1 :])
+
+
+def chunked_repeat(x: jax.Array, axis: int, block: int, max_chunk: int = TPU_REPEAT_CHUNK) -> jax.Array:
+    """`haar.repeat_blocks` as a contraction (the transpose of `chunked_block_sums`'s): runs of
+    ``C / B`` entries of `x` along `axis` times the ``(C / B, C)`` 0/1 matrix, ``2 C / B``
+    flops per entry of the result, ``B`` times as long along `axis`.
+
+    Exact at the backend's highest precision (each entry is one entry of `x` times 1
+    plus zeros; on a TPU a float32 entry is split into three exact bfloat16 parts). An
+    infinite entry of `x` makes its whole run NaN (``inf * 0``), as it does the step.
+    """
+    n, shape = x.shape[axis] * block, x.shape
+    chunk = _chunk(n, block, max_chunk)
+    runs = x.reshape(shape[:axis] + (n // chunk, chunk // block) + shape[axis + 1 :])
+    out = jnp.tensordot(runs, _block_ones(chunk, block, x.dtype), axes=([axis + 1], [0]), precision=_HIGHEST)
+    return jnp.moveaxis(out, -1, axis + 1).reshape(shape[:axis] + (n,) + shape[axis + 1 :])
+
+
+def _chunk(n: int, block: int, max_chunk: int) -> int:
+    """The longest multiple of `block` up to ``max(max_chunk, block)`` that divides `n`."""
+    return max(c for c in range(block, max(max_chunk, block) + 1, block) if n % c == 0)
+
+
+def _block_ones(chunk: int, block: int, dtype: Any) -> jax.Array:
+    """The ``(chunk / block, chunk)`` matrix whose row ``i`` is 1 on block ``i``."""
+    return jnp.asarray(np.arange(chunk)[None, :] // block == np.arange(chunk // block)[:, None], dtype)
+
+
+def block_sums_by_contraction(case: Case, plain: Callable) -> Callable:
+    """Row ``tpu-block-sums``: ``f(x)``."""
+    return functools.partial(chunked_block_sums, axis=case.axis, block=case.block)
+
+
+def repeat_in_runs_of_32(case: Case, plain: Callable) -> Callable:
+    """Row ``tpu-repeat-one-device``: ``f(x)``."""
+    return functools.partial(chunked_repeat, axis=case.axis, block=case.block)
+
+
+def repeat_in_runs_of_128(case: Case, plain: Callable) -> Callable:
+    """Row ``tpu-repeat-partitioned``: ``f(x)``."""
+    return functools.partial(chunked_repeat, axis=case.axis, block=case.block, max_chunk=TPU_CHUNK)
+
+
+def means_from_gradient(case: Case, plain: Callable) -> Callable:
+    """Rows ``*-means-from-gradient``: ``f(g, means)``, the block means of `g` computed from `g`
+    alone where `g` is one matrix, and the ``means`` given (the same values, from the
+    approximation) where `g` is a batch of matrices under `jax.vmap` (the planner's
+    ``over_layers``), whose compiled step would read `g` once more for them. Its derivative
+    is that of the means of `g` (the means given are taken as computed from `g`), forward
+    and backward."""
+    from optax_gwt.haar import block_means
+
+    axis, block = case.axis, case.block
+
+    @jax.custom_batching.custom_vmap
+    def means(g, given):
+        return block_means(g, axis, block)
+
+    @means.def_vmap
+    def batched(axis_size, in_batched, g, given):
+        return given, in_batched[1]
+
+    @jax.custom_jvp
+    def f(g, given):
+        return means(g, given)
+
+    @f.defjvp
+    def tangents(primals, dots):  # linear in g: its own derivative
+        return f(*primals), block_means(dots[0], axis, block)
+
+    return f
+
+
+def one_limiter_vector(case: Case, plain: Callable) -> Callable:
+    """Row ``cpu-one-limiter-vector``: ``f(sq, scale, prev, count, gamma)`` of the limiter
+    (`stages.limit_factors` per array in the plain formulation), every array's scalars
+    concatenated into one vector."""
+    from optax_gwt.stages import limit_factors
+
+    def factors(sq: list, scale: list, prev: list, count: jax.Array, gamma: float) -> tuple[list, list]:
+        lam, r = limit_factors(jnp.concatenate(sq), jnp.concatenate(scale), jnp.concatenate(prev), count, gamma)
+        bounds = list(itertools.accumulate(x.shape[0] for x in sq))[:-1]
+        return jnp.split(lam, bounds), jnp.split(r, bounds)
+
+    return factors
