@@ -2,10 +2,10 @@
 
 Run from the repository root::
 
-    python -m benchmarks.fusion_limits --out benchmarks/results/fusion_limits
+    python -m benchmarks.fusion_limits --out results/benchmarks/fusion_limits
     XLA_FLAGS=--xla_backend_extra_options=xla_cpu_use_multi_output_fusion \
         python -m benchmarks.fusion_limits --rows adamw,gwt2-xla --rounds 3 \
-        --out benchmarks/results/fusion_limits_mof
+        --out results/benchmarks/fusion_limits_mof
 
 The bytes limit of GWT-2's donated train step is one read of ``G`` for the
 moments (4 B/param in float32), the quarter-size moments read and written
@@ -53,7 +53,7 @@ import optax
 
 import optax_gwt
 from benchmarks.llama_shapes import CONFIGS, llama_params
-from benchmarks.optimizer_step import LEARNING_RATE, WEIGHT_DECAY, machine, measure
+from benchmarks.optimizer_step import LEARNING_RATE, WEIGHT_DECAY, command_line, machine, measure
 from optax_gwt import haar
 
 B1, B2, EPS, GAMMA, ALPHA, BLOCK = 0.9, 0.999, 1e-6, 1.01, 0.25, 4
@@ -130,8 +130,8 @@ def rows(names: list[str], dtype) -> dict[str, optax.GradientTransformation]:
 
     def gwt2(kernel: bool):
         return optax_gwt.gwt_adamw(
-            LEARNING_RATE, weight_decay=WEIGHT_DECAY, level=2, scale=ALPHA, cpu_kernel=kernel,
-            mu_dtype=dtype, nu_dtype=dtype,
+            LEARNING_RATE, weight_decay=WEIGHT_DECAY, level=2, scale=ALPHA, mu_dtype=dtype, nu_dtype=dtype,
+            fast_path=optax_gwt.FastPath(cpu_kernel=kernel),
         )  # fmt: skip
 
     table = {
@@ -169,10 +169,10 @@ def main(argv=None):
     parser.add_argument("--dtypes", default="float32")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--inner", type=int, default=2)
-    parser.add_argument("--out", default="benchmarks/results/fusion_limits")
+    parser.add_argument("--out", default="results/benchmarks/fusion_limits")
     args = parser.parse_args(argv)
     report = {
-        "command": "python -m benchmarks.fusion_limits " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+        "command": command_line("benchmarks.fusion_limits", argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "machine": machine(),

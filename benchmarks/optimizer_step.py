@@ -21,10 +21,10 @@ and written per parameter, full-size reads per parameter
 (`optax_gwt.hlo_traffic`). GWT, GaLore and Adafactor run on the attention and
 MLP kernels, as in the GWT paper; the embedding, the output head and the norms
 get `optax.adamw` through `optax.multi_transform`. ``gwt2-xla`` is GWT-2 without the compiled CPU kernel
-(`optax_gwt.cpu_kernel`), XLA alone. The AdamW baseline is
+(`optax_gwt.kernels.cpu_ffi`, opted in with ``FastPath(cpu_kernel=True)``), XLA alone. The AdamW baseline is
 `optax.adamw` on everything (the same math on those other arrays). With
 ``--scope matrices`` the params are only the attention and MLP kernels, which
-isolates the optimizers' own cost. Results go to ``benchmarks/results/`` as JSON
+isolates the optimizers' own cost. Results go to ``results/benchmarks/`` as JSON
 and Markdown.
 """
 
@@ -37,8 +37,9 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,12 @@ def optimizers(
 
     def gwt(level, kernel=True):
         return optax_gwt.gwt_adamw(
-            LEARNING_RATE, weight_decay=WEIGHT_DECAY, level=level, cpu_kernel=kernel, mu_dtype=dtype, nu_dtype=dtype
+            LEARNING_RATE,
+            weight_decay=WEIGHT_DECAY,
+            level=level,
+            fast_path=optax_gwt.FastPath(cpu_kernel=kernel),
+            mu_dtype=dtype,
+            nu_dtype=dtype,
         )
 
     on_matrices = {
@@ -238,6 +244,29 @@ def shape_study(rounds: int, inner: int) -> list[dict]:
     return out
 
 
+#: The repository root, where the benchmarks run from.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _repo_relative(arg: str) -> str:
+    """`arg` with an absolute path inside the repository written relative to its root; any other `arg` as it is."""
+    flag, eq, value = arg.partition("=") if arg.startswith("-") and "=" in arg else ("", "", arg)
+    if not os.path.isabs(value):
+        return arg
+    rel = os.path.relpath(os.path.abspath(value), REPO)
+    return arg if rel == os.pardir or rel.startswith(os.pardir + os.sep) else flag + eq + rel
+
+
+def command_line(module: str, argv: Sequence[str] | None = None) -> str:
+    """The command that ran `module` with `argv` (default: this process's arguments), as a report records it.
+
+    It names no machine's folders: an absolute path inside the repository (``--out /.../results/benchmarks/x``)
+    is written relative to the root (``--out results/benchmarks/x``).
+    """
+    args = sys.argv[1:] if argv is None else argv
+    return " ".join(["python", "-m", module, *(_repo_relative(a) for a in args)])
+
+
 def machine() -> dict:
     cpu = platform.processor() or platform.machine()
     try:
@@ -257,7 +286,7 @@ def machine() -> dict:
         "python": platform.python_version(),
         "load_average": os.getloadavg(),
         # Whether GWT's compiled CPU kernel runs (else every GWT row is XLA alone).
-        "gwt_cpu_kernel": jax.default_backend() == "cpu" and optax_gwt.cpu_kernel.available(),
+        "gwt_cpu_kernel": jax.default_backend() == "cpu" and optax_gwt.kernels.cpu_ffi.available(),
     }
 
 
@@ -304,7 +333,7 @@ KERNEL_NOTE = (
     "How GWT-2 runs on the CPU: XLA alone compiles the approximation's Adam into three passes over G (m and "
     "v are two fusions that each read G, as XLA CPU has no sibling multi-output fusion; the limiter's norm is a "
     "separate reduction that YNNPACK runs at about half the streaming bandwidth) before the final pass that "
-    "reads G, P and the quarter-size m, v and writes P. The compiled kernel (optax_gwt.cpu_kernel, an XLA FFI "
+    "reads G, P and the quarter-size m, v and writes P. The compiled kernel (optax_gwt.kernels.cpu_ffi, an XLA FFI "
     "custom call, used by default where it applies) makes the first three one pass that reads G once, updates "
     "m and v in place and returns the norm; the final pass stays in XLA, fused with the learning rate, weight "
     "decay and apply_updates. What is left is that final pass's arithmetic: it recomputes each block's mean "
@@ -387,7 +416,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--inner", type=int, default=2, help="steps per timed run")
     parser.add_argument("--no-shapes", action="store_true", help="skip the single-matrix shape study")
-    parser.add_argument("--out", default="benchmarks/results/optimizer_step")
+    parser.add_argument("--out", default="results/benchmarks/optimizer_step")
     parser.add_argument(
         "--readme", default=None, help="also put the Markdown between the performance-table markers of this file"
     )
@@ -407,7 +436,7 @@ def main(argv=None):
     names = args.optimizers.split(",")
     scopes = ["model", "matrices"] if args.scope == "both" else [args.scope]
     report = {
-        "command": "python -m benchmarks.optimizer_step " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+        "command": command_line("benchmarks.optimizer_step", argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
         "rounds": args.rounds,

@@ -73,7 +73,7 @@ def measure(config: str, optimizer: str, batch: int, seq_len: int) -> dict:
 
 def run_case(config: str, optimizer: str, batch: int, seq_len: int) -> dict:
     """`measure` in a fresh subprocess (XLA path of GWT, one CPU device)."""
-    env = {**os.environ, "OPTAX_GWT_CPU_KERNEL": "0", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     cmd = [
         sys.executable,
         "-m",

@@ -68,7 +68,15 @@ def _on_stacked_layers(name: str) -> bool:
     return bool(_variants(name)[1] & {"stacked", "vmapped"})
 
 
-def optimizer(name: str) -> optax.GradientTransformation:
+#: ``--fast-path``: the `optax_gwt.FastPath` of the GWT rows.
+FAST_PATHS = {
+    "auto": optax_gwt.FastPath(),
+    "no-pallas": optax_gwt.FastPath(pallas=False),
+    "xla": optax_gwt.FastPath(enabled=False),
+}
+
+
+def optimizer(name: str, fast_path: str = "auto") -> optax.GradientTransformation:
     """``adamw`` or ``gwt<level>``, plain or with variants joined by ``-``: ``nolimit``, GWT
     without the norm-growth limiter (whose bytes bound from below those of any limiter that
     needs no pass of its own); ``delayed``, the limiter's factor applied a step late
@@ -85,6 +93,7 @@ def optimizer(name: str) -> optax.GradientTransformation:
         norm_growth_limit=None if "nolimit" in variants else 1.01,
         norm_growth_delayed="delayed" in variants,
         batch_axes=1 if "stacked" in variants else 0,
+        fast_path=FAST_PATHS[fast_path],
     )
     if "vmapped" in variants:
         from optax_gwt.plan.llama import over_layers  # needs Flax (the plan extra)
@@ -144,12 +153,14 @@ def compile_train(tx: optax.GradientTransformation, params: dict) -> Any:
     return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, inputs).compile()
 
 
-def measure(target: str, dtype: Any, name: str, shapes: dict, step: str = "update", fsdp: int = 1) -> dict:
+def measure(
+    target: str, dtype: Any, name: str, shapes: dict, step: str = "update", fsdp: int = 1, fast_path: str = "auto"
+) -> dict:
     """One compile's figures (on the layers stacked for a stacked or vmapped variant) of the
     donated update step ``(params, state, grads) -> (params, state)`` or, for ``step="train"``,
     of `compile_train`'s step; with `fsdp` > 1, per device of a mesh that splits the matrices
     as the planner does (`sharded_params`)."""
-    tx = optimizer(name)
+    tx = optimizer(name, fast_path)
     if _on_stacked_layers(name):
         shapes = stacked(shapes)
     start = time.perf_counter()
@@ -185,6 +196,7 @@ def run(
     layers: int | None = None,
     step: str = "update",
     fsdp: int = 1,
+    fast_path: str = "auto",
 ) -> dict:
     shapes = matrices(model, layers)
     out: dict[str, Any] = {
@@ -195,9 +207,14 @@ def run(
         "params": sum(int(np.prod(s)) for s in shapes.values()),
         "rows": [],
     }
+    if fast_path != "auto":
+        out["fast_path"] = fast_path
     for target in target_names:
         for dtype in dtypes:
-            rows = {name: measure(target, jnp.dtype(dtype), name, shapes, step, fsdp) for name in ["adamw", *names]}
+            rows = {
+                name: measure(target, jnp.dtype(dtype), name, shapes, step, fsdp, fast_path)
+                for name in ["adamw", *names]
+            }
             for name, r in rows.items():
                 adamw = rows["adamw-stacked" if _on_stacked_layers(name) else "adamw"]
                 saved = adamw["state_bytes"] - r["state_bytes"]
@@ -258,9 +275,15 @@ def main(argv=None) -> None:
     p.add_argument(
         "--fsdp", type=int, default=1, help="split the matrices over this many chips as the planner does (per device)"
     )
+    p.add_argument(
+        "--fast-path",
+        default="auto",
+        choices=sorted(FAST_PATHS),
+        help="GWT's fast_path: the table's rows (auto), all but the Pallas kernel (no-pallas), or none (xla)",
+    )
     p.add_argument("--out", default="results/targets/update")
     args = p.parse_args(argv)
-    r = run(args.targets, args.dtypes, args.optimizers, args.model, args.layers, args.step, args.fsdp)
+    r = run(args.targets, args.dtypes, args.optimizers, args.model, args.layers, args.step, args.fsdp, args.fast_path)
     r["jax"] = jax.__version__
     write_results(args.out, r, markdown(r))
     print(markdown(r))

@@ -383,17 +383,7 @@ def limit_norm_growth(
     """
 
     def init_fn(params):
-        batch_shapes = _batch_shapes(params, projection)
-
-        def scalar(path, p):
-            # One plain array per array (of its batch shape: one scalar per matrix), also where
-            # the array is wrapped in a container pytree (a haliax NamedArray): never the container.
-            shape = next((v for k, v in batch_shapes.items() if k[: len(path)] == tuple(path)), ())
-            return sharding_lib.zeros_following(jax.tree_util.tree_leaves(p)[0], shape, _scalar_dtype(p))
-
-        norm_prev = jax.tree_util.tree_map_with_path(scalar, params, is_leaf=_is_array_like)
-        scale = jax.tree.map(jnp.ones_like, norm_prev)
-        return LimitNormGrowthState(jnp.zeros([], jnp.int32), norm_prev, scale)
+        return _limiter_init(params, projection)
 
     def update_fn(updates, state, params=None):
         del params
@@ -431,6 +421,21 @@ def limit_norm_growth(
         return treedef.unflatten(out), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _limiter_init(params: Any, projection: WaveletProjection | None) -> LimitNormGrowthState:
+    """The limiter's state: a zero norm and a unit factor per array (per matrix of a batch)."""
+    batch_shapes = _batch_shapes(params, projection)
+
+    def scalar(path, p):
+        # One plain array per array (of its batch shape: one scalar per matrix), also where
+        # the array is wrapped in a container pytree (a haliax NamedArray): never the container.
+        shape = next((v for k, v in batch_shapes.items() if k[: len(path)] == tuple(path)), ())
+        return sharding_lib.zeros_following(jax.tree_util.tree_leaves(p)[0], shape, _scalar_dtype(p))
+
+    norm_prev = jax.tree_util.tree_map_with_path(scalar, params, is_leaf=_is_array_like)
+    scale = jax.tree.map(jnp.ones_like, norm_prev)
+    return LimitNormGrowthState(jnp.zeros([], jnp.int32), norm_prev, scale)
 
 
 def _batch_shapes(params: Any, projection: WaveletProjection | None) -> dict[tuple, tuple]:

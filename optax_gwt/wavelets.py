@@ -142,42 +142,61 @@ def _take(x: jax.Array, idx: np.ndarray, axis: int) -> jax.Array:
 
 def _extend(x: jax.Array, left: int, right: int, mode: str, axis: int) -> jax.Array:
     """Extends `x` along `axis` by `left` and `right` samples as PyWavelets does."""
-    n = x.shape[axis]
     if mode == "zero":
         pad = [(0, 0)] * x.ndim
         pad[axis] = (left, right)
         return jnp.pad(x, pad)
-    if mode in ("smooth", "antireflect"):
-        # Both are linear extrapolations from the edges; they are built from
-        # index arithmetic so that they also hold for extensions longer than n.
-        first = jax.lax.slice_in_dim(x, 0, 1, axis=axis)
-        last = jax.lax.slice_in_dim(x, n - 1, n, axis=axis)
-        if mode == "smooth":
-            if n == 1:
-                return _extend(x, left, right, "constant", axis)
-            d0 = first - jax.lax.slice_in_dim(x, 1, 2, axis=axis)
-            d1 = last - jax.lax.slice_in_dim(x, n - 2, n - 1, axis=axis)
-            shape = [1] * x.ndim
-            shape[axis] = left
-            lsteps = jnp.arange(left, 0, -1, dtype=x.dtype).reshape(shape)
-            shape[axis] = right
-            rsteps = jnp.arange(1, right + 1, dtype=x.dtype).reshape(shape)
-            return jnp.concatenate([first + lsteps * d0, x, last + rsteps * d1], axis=axis)
-        # antireflect: reflect about the edge samples, repeatedly.
-        out = x
-        while left > 0 or right > 0:
-            m = out.shape[axis]
-            lk, rk = min(left, m - 1), min(right, m - 1)
-            if m == 1:
-                return _extend(out, left, right, "constant", axis)
-            f0 = jax.lax.slice_in_dim(out, 0, 1, axis=axis)
-            fl = jax.lax.slice_in_dim(out, m - 1, m, axis=axis)
-            lpart = 2 * f0 - _take(out, np.arange(lk, 0, -1), axis)
-            rpart = 2 * fl - _take(out, np.arange(m - 2, m - 2 - rk, -1), axis)
-            out = jnp.concatenate([lpart, out, rpart], axis=axis)
-            left, right = left - lk, right - rk
-        return out
-    # Index-based modes: the index of the source sample for each output sample.
+    # Both are linear extrapolations from the edges; they are built from index
+    # arithmetic so that they also hold for extensions longer than n.
+    if mode == "smooth":
+        return _extend_smooth(x, left, right, axis)
+    if mode == "antireflect":
+        return _extend_antireflect(x, left, right, axis)
+    idx, sign = _source_indices(x.shape[axis], left, right, mode)
+    out = _take(x, idx, axis)
+    if sign is not None:
+        shape = [1] * x.ndim
+        shape[axis] = len(sign)
+        out = out * jnp.asarray(sign, dtype=x.dtype).reshape(shape)
+    return out
+
+
+def _extend_smooth(x: jax.Array, left: int, right: int, axis: int) -> jax.Array:
+    """`_extend` in mode ``"smooth"``: the first-order extrapolation from each edge."""
+    n = x.shape[axis]
+    if n == 1:
+        return _extend(x, left, right, "constant", axis)
+    first = jax.lax.slice_in_dim(x, 0, 1, axis=axis)
+    last = jax.lax.slice_in_dim(x, n - 1, n, axis=axis)
+    d0 = first - jax.lax.slice_in_dim(x, 1, 2, axis=axis)
+    d1 = last - jax.lax.slice_in_dim(x, n - 2, n - 1, axis=axis)
+    shape = [1] * x.ndim
+    shape[axis] = left
+    lsteps = jnp.arange(left, 0, -1, dtype=x.dtype).reshape(shape)
+    shape[axis] = right
+    rsteps = jnp.arange(1, right + 1, dtype=x.dtype).reshape(shape)
+    return jnp.concatenate([first + lsteps * d0, x, last + rsteps * d1], axis=axis)
+
+
+def _extend_antireflect(x: jax.Array, left: int, right: int, axis: int) -> jax.Array:
+    """`_extend` in mode ``"antireflect"``: reflections about the edge samples, repeated."""
+    out = x
+    while left > 0 or right > 0:
+        m = out.shape[axis]
+        lk, rk = min(left, m - 1), min(right, m - 1)
+        if m == 1:
+            return _extend(out, left, right, "constant", axis)
+        f0 = jax.lax.slice_in_dim(out, 0, 1, axis=axis)
+        fl = jax.lax.slice_in_dim(out, m - 1, m, axis=axis)
+        lpart = 2 * f0 - _take(out, np.arange(lk, 0, -1), axis)
+        rpart = 2 * fl - _take(out, np.arange(m - 2, m - 2 - rk, -1), axis)
+        out = jnp.concatenate([lpart, out, rpart], axis=axis)
+        left, right = left - lk, right - rk
+    return out
+
+
+def _source_indices(n: int, left: int, right: int, mode: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """For the index-based modes: the source sample of each output sample, and its sign (or None)."""
     idx = np.arange(-left, n + right)
     sign = None
     if mode == "constant":
@@ -187,8 +206,7 @@ def _extend(x: jax.Array, left: int, right: int, mode: str, axis: int) -> jax.Ar
     elif mode in ("symmetric", "antisymmetric"):
         period = 2 * n
         r = np.mod(idx, period)
-        flipped = r >= n
-        idx = np.where(flipped, period - 1 - r, r)
+        idx = np.where(r >= n, period - 1 - r, r)
         if mode == "antisymmetric":
             sign = np.where(np.mod(np.floor_divide(np.arange(-left, n + right), n), 2) == 1, -1.0, 1.0)
     elif mode == "reflect":
@@ -200,12 +218,7 @@ def _extend(x: jax.Array, left: int, right: int, mode: str, axis: int) -> jax.Ar
             idx = np.where(r >= n, period - r, r)
     else:  # pragma: no cover - guarded by _check_mode
         raise ValueError(mode)
-    out = _take(x, idx, axis)
-    if sign is not None:
-        shape = [1] * x.ndim
-        shape[axis] = len(sign)
-        out = out * jnp.asarray(sign, dtype=x.dtype).reshape(shape)
-    return out
+    return idx, sign
 
 
 # --------------------------------------------------------------------------

@@ -4,7 +4,8 @@
 - the docstring examples (``>>>``) of every module of optax_gwt run as doctests;
 - every name of ``optax_gwt.__all__`` and every public submodule has an entry in docs/api/;
 - the README's relative links and images exist, and so do the docs pages' links to files;
-- the README's headline table is the default study's report.
+- the README's headline table is the default study's report;
+- no file of the repository names a folder of the machine that wrote it (a path under /work, /root, /home).
 
 The site itself is built by ``python -m sphinx -W -b html docs docs/_build/html`` (CI).
 """
@@ -19,6 +20,7 @@ import json
 import os
 import pkgutil
 import re
+import shlex
 import subprocess
 
 import pytest
@@ -380,3 +382,71 @@ def test_results_block_is_its_results_file(page, name, source, results):
     """A table the docs quote from a results file is that file, as its command wrote it."""
     block = _between(read(os.path.join(DOCS, page)), f"<!-- {name}:start ({source}) -->", f"<!-- {name}:end -->")
     assert block == read(os.path.join(REPO, results)).strip("\n")
+
+
+# ---------------------------------------------------------------------------
+# No machine paths: what the repository holds names its files relative to its root.
+# ---------------------------------------------------------------------------
+
+#: An absolute path under /work, /root or /home, a folder of one machine; not one inside a URL or a relative
+#: path (after a word character or a dot: ``https://host/home/``, ``src/work/``, ``../home/``).
+_MACHINE_PATH = re.compile(r"(?<![\w.])/(?:work|root|home)/")
+
+
+def _tracked_text_files() -> list[str]:
+    """The files git tracks here that are text (UTF-8, no NUL byte), relative to the root; skips outside a checkout."""
+    try:
+        done = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    texts = []
+    for name in done.stdout.decode().split("\0"):
+        path = os.path.join(REPO, name)
+        if not name or not os.path.isfile(path):  # a file git tracks but this work tree has not (yet)
+            continue
+        with open(path, "rb") as fh:
+            data = fh.read()
+        try:
+            if b"\0" not in data:
+                data.decode("utf-8")
+                texts.append(name)
+        except UnicodeDecodeError:
+            pass  # an image or another binary file
+    return texts
+
+
+def machine_paths(text: str) -> list[str]:
+    """Where `text` names an absolute path of a machine: ``"<line number>: <the path, with some text before>"``."""
+    found = []
+    for i, line in enumerate(text.splitlines(), 1):
+        found += [f"{i}: ...{line[max(0, m.start() - 20) : m.start() + 60]}" for m in _MACHINE_PATH.finditer(line)]
+    return found
+
+
+def test_machine_path_pattern():
+    root = "/"  # apart from the names, or this file would name what it checks for
+    found = machine_paths(f'a\n--out {root}work/main/results/x\nb\n"{root}root/.cache/x"\n({root}home/me/y)')
+    assert [line.split(":")[0] for line in found] == ["2", "4", "5"], found
+    assert not machine_paths("--out results/x\nhttps://host/home/x ./work/x src/work/x ../home/x /tmp/x /workx/")
+
+
+def test_no_tracked_file_names_a_machine_path():
+    """Results, docs and recorded commands name paths relative to the repository's root, as its tools do."""
+    files = _tracked_text_files()
+    assert len(files) > 100, "git ls-files listed too few text files"
+    bad = {name: found for name in files if (found := machine_paths(read(os.path.join(REPO, name))))}
+    assert not bad, f"absolute paths of a machine in tracked files (make them relative to the root): {bad}"
+
+
+def test_recorded_commands_name_paths_relative_to_the_root():
+    """The tools that record their command (and the comparison its runs' arguments) write no machine path."""
+    rundir = pytest.importorskip("examples.llama.rundir")
+    from benchmarks import optimizer_step
+
+    inside, outside = os.path.join(REPO, "results", "x"), os.path.join(os.path.dirname(REPO), "elsewhere", "x")
+    argv = ["--out", inside, f"--run-dir={inside}", "--steps", "3", outside]
+    want = ["--out", "results/x", "--run-dir=results/x", "--steps", "3", outside]
+    assert shlex.split(rundir.command_line("examples.llama.train", argv))[3:] == want
+    benchmark = optimizer_step.command_line("benchmarks.optimizer_step", argv)
+    assert benchmark == " ".join(["python", "-m", "benchmarks.optimizer_step", *want])
+    assert [rundir.repo_relative(a) for a in argv] == want

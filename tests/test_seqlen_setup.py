@@ -162,12 +162,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _results_module(name: str):
-    import importlib.util
+    """The analysis module that writes results/seqlen/<name>.md (examples/llama/analysis/seqlen_<name>.py)."""
+    import importlib
 
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "results", "seqlen", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"examples.llama.analysis.seqlen_{name}")
 
 
 def _block(marker: str) -> str:

@@ -11,8 +11,9 @@ import pytest
 
 import optax_gwt
 from benchmarks import target_compile
-from optax_gwt import cpu_kernel, plan, targets
+from optax_gwt import plan, targets
 from optax_gwt.hlo_traffic import entry_traffic
+from optax_gwt.kernels import cpu_ffi
 
 SHAPES = {"q": (256, 256), "up": (256, 688), "down": (688, 256)}
 N = sum(int(np.prod(s)) for s in SHAPES.values())
@@ -42,12 +43,12 @@ def test_adamw_moves_its_textbook_bytes_on_each_target(target, dtype, expected):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_gwt_for_a_chip_never_gets_the_cpu_kernel(target):
-    """The CPU is JAX's default backend during a deviceless compile; the kernel is chosen per platform."""
-    text = _compiled(optax_gwt.gwt_adamw(1e-3, level=2), jnp.float32, _device(target))
-    assert "optax_gwt_haar" not in text
-    if cpu_kernel.available():
-        cpu = jax.devices("cpu")[0]
-        assert "optax_gwt_haar" in _compiled(optax_gwt.gwt_adamw(1e-3, level=2), jnp.float32, cpu)
+    """The CPU is JAX's default backend during a deviceless compile; the opted-in kernel is chosen
+    per platform (row ``cpu-ffi-moments``)."""
+    opted_in = optax_gwt.gwt_adamw(1e-3, level=2, fast_path=optax_gwt.FastPath(cpu_kernel=True))
+    assert "optax_gwt_haar" not in _compiled(opted_in, jnp.float32, _device(target))
+    if cpu_ffi.available():
+        assert "optax_gwt_haar" in _compiled(opted_in, jnp.float32, jax.devices("cpu")[0])
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -120,7 +121,7 @@ def test_gpus_read_a_gradient_twice_at_every_size(target, shape, limit):
     means are recomputed from the gradient in the full-size pass (22 B/param); a large one's
     come from the approximation (24: it is written and read once more), as XLA for a GPU
     would otherwise write them as an array of their own and read the gradient a third time
-    for it (28 B/param at (2048, 1024); `haar.GPU_MEANS_FROM_G_MAX`)."""
+    for it (28 B/param at (2048, 1024); row ``cuda-means-from-gradient``)."""
     params = target_compile.abstract_params({"w": shape}, jnp.float32, _device(target))
     text = plan.compile_update(optax_gwt.gwt_adamw(1e-3, level=2), params).as_text()
     n = int(np.prod(shape))
@@ -131,15 +132,17 @@ def test_gpus_read_a_gradient_twice_at_every_size(target, shape, limit):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_tpus_take_the_pallas_kernel_for_the_full_size_pass(target):
-    """`optax_gwt.tpu_kernel` (a Mosaic custom call) for a large matrix, on the TPUs only."""
+    """Row ``tpu-pallas-update`` (a Mosaic custom call) for a large matrix, on the TPUs only, unless
+    switched off."""
     device = _device(target)
 
-    def compiled(level, shapes):
+    def compiled(level, shapes, fast_path="auto"):
         params = target_compile.abstract_params(shapes, jnp.bfloat16, device)
-        return plan.compile_update(optax_gwt.gwt_adamw(1e-3, level=level), params).as_text()
+        return plan.compile_update(optax_gwt.gwt_adamw(1e-3, level=level, fast_path=fast_path), params).as_text()
 
-    large = {"w": (2048, 4096)}  # tpu_kernel.MIN_ENTRIES
+    large = {"w": (2048, 4096)}  # rules.PALLAS_MIN_ENTRIES
     assert ("tpu_custom_call" in compiled(2, large)) == target.startswith("v")
+    assert "tpu_custom_call" not in compiled(2, large, optax_gwt.FastPath(pallas=False))
     assert "tpu_custom_call" not in compiled(3, large)  # blocks of 8 rows: XLA's own pass
     assert "tpu_custom_call" not in compiled(2, SHAPES)  # small: XLA keeps the pass on chip
 
@@ -148,21 +151,22 @@ def test_tpus_take_the_pallas_kernel_for_the_full_size_pass(target):
 def test_the_pallas_kernel_on_a_tpu_mesh(spec):
     """On 4 v5e chips: a step that XLA partitions keeps the XLA path (a custom call's operands
     would be gathered) and gathers nothing; under `jax.shard_map` each chip runs the kernel."""
-    from optax_gwt import haar, tpu_kernel
+    from optax_gwt import haar
+    from optax_gwt.kernels import pallas_tpu
     from optax_gwt.plan import llama
 
     _device("v5e")
     mesh = llama.make_mesh({"fsdp": 4}, targets.devices("v5e", 4))
     pspec = jax.sharding.PartitionSpec(*spec)
     sharding = jax.sharding.NamedSharding(mesh, pspec)
-    params = {"w": jax.ShapeDtypeStruct((4096, 2048), jnp.float32, sharding=sharding)}  # tpu_kernel.MIN_ENTRIES
+    params = {"w": jax.ShapeDtypeStruct((4096, 2048), jnp.float32, sharding=sharding)}  # rules.PALLAS_MIN_ENTRIES
     text = plan.compile_update(optax_gwt.gwt_adamw(1e-3, level=2), params).as_text()
     assert "tpu_custom_call" not in text and "all-gather" not in text
 
     def update(g, approx, mu, nu, scalars):
-        return tpu_kernel.haar_adam_update(
+        return pallas_tpu.haar_adam_update(
             g, approx, mu, nu, scalars, block=2, residual=False, compute=jnp.float32, out=jnp.bfloat16,
-            fallback=haar._update_from_scalars,
+            fallback=haar.update_from_scalars, fast_path=optax_gwt.FastPath(),
         )  # fmt: skip
 
     replicated = jax.sharding.PartitionSpec()

@@ -27,7 +27,7 @@ import os
 from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
+import orbax.checkpoint as ocp  # type: ignore[import-untyped]
 
 __all__ = ["CheckpointError", "Checkpointer", "RUN_ARGS", "run_metadata"]
 

@@ -106,7 +106,8 @@ def run_all(args: argparse.Namespace) -> dict:
         print(f"=== {name}: {' '.join(argv)}", flush=True)
         out = train.run(train.parse_args(argv))
         print(rundir.format_summary(out["summary"]), flush=True)
-        report["runs"].append({"name": name, "argv": argv, "summary": out["summary"], "history": out["history"]})
+        recorded = [rundir.repo_relative(a) for a in argv]  # no machine path in results.json
+        report["runs"].append({"name": name, "argv": recorded, "summary": out["summary"], "history": out["history"]})
         report["wall_s"] = time.perf_counter() - started
         write_outputs(report, args.out)  # after each run: partial results survive an interruption
     return report

@@ -66,7 +66,7 @@ class HFTokenizer:
 
     def __init__(self, name: str):
         try:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # type: ignore[import-not-found]
         except ImportError as e:  # optional dependency
             raise ImportError(f"--tokenizer {name!r} needs `pip install transformers`; the default is 'byte'") from e
         self._tok = AutoTokenizer.from_pretrained(name)
@@ -121,7 +121,7 @@ def split_files(root: str, files: list[str], val_fraction: float) -> dict[str, l
     Deterministic and independent of the other files: adding a file never
     moves another between splits.
     """
-    split = {"train": [], "validation": []}
+    split: dict[str, list[str]] = {"train": [], "validation": []}
     for f in files:
         h = zlib.crc32(os.path.relpath(f, root).encode()) % 10_000
         split["validation" if h < val_fraction * 10_000 else "train"].append(f)
@@ -137,7 +137,7 @@ def hf_documents(
     path: str, name: str | None, split: str, data_files=None, seed: int = 42
 ) -> Callable[[int], Iterator[str]]:
     """A function ``skip -> iterator of texts`` over a streamed HF dataset, shuffled with a buffer."""
-    import datasets  # imported here: only the C4 source needs it
+    import datasets  # type: ignore[import-untyped]  # imported here: only the C4 source needs it
 
     def docs(skip: int) -> Iterator[str]:
         ds = datasets.load_dataset(path, name, split=split, streaming=True, data_files=data_files)
@@ -182,7 +182,7 @@ class WindowLoader:
                 f"fewer than one batch of {batch_size // contiguous}"
             )
         self.position = 0
-        self._perm_epoch, self._perm = -1, None
+        self._perm_epoch, self._perm = -1, np.zeros([0], np.int64)  # drawn at each epoch's first batch
 
     def __iter__(self):
         return self
@@ -219,7 +219,7 @@ class StreamLoader:
         self.documents, self.tokenizer = documents, tokenizer
         self.batch_size, self.seq_len = batch_size, seq_len
         self.docs_consumed, self.carry = 0, np.zeros([0], np.int32)
-        self._it = None
+        self._it: Iterator[str] | None = None
 
     def __iter__(self):
         return self
@@ -322,7 +322,7 @@ def make_data(spec: DataSpec):
     if spec.source == "c4":
         if spec.contiguous != 1:
             raise ValueError("contiguous windows are for in-memory corpora (C4 is packed in order already)")
-        train = StreamLoader(
+        train: StreamLoader | WindowLoader = StreamLoader(
             hf_documents(spec.hf_path, spec.hf_name, "train", spec.hf_data_files, seed=42 + spec.seed),
             tokenizer,
             spec.batch_size,

@@ -53,6 +53,7 @@ __all__ = [
     "read_config",
     "read_metrics",
     "replace_block",
+    "repo_relative",
     "save_line_plot",
     "timestamp",
     "write_json",
@@ -207,9 +208,24 @@ def format_summary(summary: dict) -> str:
     ])  # fmt: skip
 
 
+def repo_relative(arg: str) -> str:
+    """`arg` with an absolute path inside the repository written relative to its root; any other `arg` as it is.
+
+    So that what a run records (its command, its paths) names no machine's folders: the tools
+    run from the root. A flag's value counts too (``--out=/.../results/x`` -> ``--out=results/x``).
+    """
+    flag, eq, value = arg.partition("=") if arg.startswith("-") and "=" in arg else ("", "", arg)
+    if not os.path.isabs(value):
+        return arg
+    rel = os.path.relpath(os.path.abspath(value), REPO)
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep):
+        return arg  # outside the repository
+    return flag + eq + rel
+
+
 def command_line(module: str, argv: Sequence[str]) -> str:
-    """The shell command that runs `module` with `argv`."""
-    return shlex.join(["python", "-m", module, *argv])
+    """The shell command that runs `module` with `argv` (absolute paths inside the repository made relative)."""
+    return shlex.join(["python", "-m", module, *(repo_relative(a) for a in argv)])
 
 
 def replace_block(path: str, start: str, end: str, block: str) -> None:

@@ -50,7 +50,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -90,13 +89,13 @@ def load_config(path: str) -> dict:
     ext = os.path.splitext(path)[1].lower()
     with open(path, "rb") as fh:
         if ext == ".toml":
-            import tomllib
+            import tomllib  # type: ignore[import-not-found]  # Python 3.11+ (mypy checks for 3.10)
 
             return tomllib.load(fh)
         if ext == ".json":
             return json.load(fh)
         if ext in (".yaml", ".yml"):
-            import yaml  # PyYAML, only for YAML configs
+            import yaml  # type: ignore[import-untyped]  # PyYAML, only for YAML configs
 
             return yaml.safe_load(fh)
     raise SystemExit(f"{path}: a study config is .toml, .json or .yaml")
@@ -225,7 +224,7 @@ def run_one(study: dict, run: dict, actions: dict) -> dict:
     started = time.perf_counter()
     result = train.run(train.parse_args(argv))
     record = _record(study["name"], run, argv, result, time.perf_counter() - started)
-    record["run_dir"] = run_dir
+    record["run_dir"] = rundir.repo_relative(run_dir)  # the study's JSONL names no machine path
     if not study.get("keep_checkpoints", False):
         shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
     jax.clear_caches()  # each run's steps are new closures: their compilations would pile up over a study
@@ -362,7 +361,7 @@ def best_settings(records: Iterable[dict]) -> dict:
     "settings"}}}``; ``edges`` names the swept axes (lr, alpha, ...) whose best
     value sits on the edge of the values tried: widen the grid there.
     """
-    out = {}
+    out: dict = {}
     for task, names in group_settings(records).items():
         out[task] = {}
         for name, settings in names.items():
@@ -626,4 +625,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     with _extras.exit_on_missing(), _extras.requires("examples", "python -m examples.llama.sweep"):
-        sys.exit(main())
+        main()

@@ -42,7 +42,7 @@ from optax_gwt.sharding import state_shardings
 
 with _extras.entry_point(__name__, "examples", "python -m examples.llama.train"):
     from flax import nnx
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
     from examples.llama import data as data_lib, diagnostics as diagnostics_lib, mesh as mesh_lib, rundir
     from examples.llama.checkpoint import Checkpointer, run_metadata
@@ -481,7 +481,7 @@ def _train_loop(
             speed.tokens += tokens_per_step
         step += 1
         record = {"step": step, "tokens": step * tokens_per_step, "loss": loss, "grad_norm": float(m["grad_norm"]),
-                  "lr_factor": float(lr_fn(step - 1)), "tokens_per_s": speed.per_second()}  # fmt: skip
+                  "lr_factor": float(jnp.asarray(lr_fn(step - 1))), "tokens_per_s": speed.per_second()}  # fmt: skip
         record.update({k: float(v) for k, v in m.items() if "/" in k})  # the --diagnostics keys
         if step % args.eval_every == 0 or step == last:
             record["val_loss"] = evaluate(job.eval_step, job.params, job.val_batches)

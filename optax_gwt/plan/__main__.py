@@ -75,8 +75,7 @@ def mesh_sizes(text: str) -> dict:
 
 
 def start_backend(devices: int) -> None:
-    """`devices` simulated CPU devices, GWT on its XLA path (the one accelerators run)."""
-    os.environ.setdefault("OPTAX_GWT_CPU_KERNEL", "0")
+    """`devices` simulated CPU devices."""
     import jax
 
     jax.config.update("jax_platforms", "cpu")

@@ -1,25 +1,31 @@
-"""Summarises the diagnosis runs of run.sh into summary.md: per run and parameter group, the
-means over steps 31-300 of the update norm, the high-frequency share and the limiter's scale.
+"""Summarises the diagnosis runs of results/diagnostics/run.sh into results/diagnostics/summary.md: per run
+and parameter group, the means over steps 31-300 of the update norm, the high-frequency share and the limiter's scale.
 
-    python results/diagnostics/summarize.py
+    python -m examples.llama.analysis.diagnostics_summary   # results/diagnostics/<run>/metrics.jsonl -> summary.md
 """
+
+from __future__ import annotations
 
 import json
 import os
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from examples.llama.analysis import REPO
+
+HERE = os.path.join(REPO, "results", "diagnostics")
 RUNS = ["gwt-2-seq128", "gwt-2-seq512", "galore-seq128", "galore-seq512"]
 GROUPS = ["qk", "vo", "mlp", "other"]
 
 
 def records(run: str) -> list[dict]:
+    """The metrics records of a run directory of results/diagnostics."""
     with open(os.path.join(HERE, run, "metrics.jsonl")) as fh:
         return [json.loads(line) for line in fh]
 
 
 def mean_of(recs: list[dict], key: str) -> str:
+    """The mean of `key` over the records that have it, to 3 digits ('-' where none has it)."""
     values = [r[key] for r in recs if key in r]
     return f"{np.mean(values):.3g}" if values else "-"
 
@@ -38,7 +44,7 @@ def main() -> None:
                 f"| {run} | {val:.4f} | {g} | {mean_of(later, f'update_norm/{g}')} | "
                 f"{mean_of(later, f'highfreq_share/{g}')} | {scale} |"
             )
-    text = "Means over steps 31-300 (`python results/diagnostics/summarize.py`, runs of `run.sh`).\n\n"
+    text = "Means over steps 31-300 (`python -m examples.llama.analysis.diagnostics_summary`, runs of `run.sh`).\n\n"
     with open(os.path.join(HERE, "summary.md"), "w") as fh:
         fh.write(text + "\n".join(lines) + "\n")
     print(text + "\n".join(lines))

@@ -1,6 +1,7 @@
 """Issue 23: each optimizer's validation loss relative to AdamW-modular's, per sequence length.
 
-    python results/seqlen/ratios.py    # reads results/seqlen/seqlen2.jsonl -> ratios.md, ratios.json, ratios.png
+    python -m examples.llama.analysis.seqlen_ratios   # results/seqlen/seqlen2.jsonl (and remedies.jsonl)
+                                                      # -> results/seqlen/ratios.md, ratios.json, ratios.png
 
 Two questions, from the runs of examples/llama/studies/seqlen2.toml and seqlen2-fixed.toml:
 
@@ -25,10 +26,8 @@ import sys
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)
-
-from examples.llama import sweep  # noqa: E402
+from examples.llama import sweep
+from examples.llama.analysis import REPO
 
 HERE = os.path.join(REPO, "results", "seqlen")
 SEEDS = (0, 1, 2)

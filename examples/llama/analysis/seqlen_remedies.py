@@ -1,6 +1,6 @@
 """Issue 23's remedies: GWT-2 with one change each against its reference, at 128 and 1024 tokens.
 
-    python results/seqlen/remedies.py    # reads results/seqlen/remedies.jsonl -> remedies.md, remedies.json
+    python -m examples.llama.analysis.seqlen_remedies   # results/seqlen/remedies.jsonl -> remedies.md, remedies.json
 
 From the runs of examples/llama/studies/seqlen2-remedies.toml (the seqlen2 setup, lr 2e-2, three
 seeds). Per variant and length: the mean final validation loss over the seeds with its sample std,
@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+from examples.llama import rundir, sweep
+from examples.llama.analysis import REPO
 
-from examples.llama import rundir, sweep  # noqa: E402
+HERE = os.path.join(REPO, "results", "seqlen")
 
 REFERENCE = "gwt-2"
 
@@ -39,7 +38,7 @@ def _runs(path: str) -> dict:
 def _limiter(record: dict) -> dict:
     """Mean limiter factor per group over steps 31 on, from the run's metrics.jsonl (if it is there)."""
     sums: dict = {}
-    for m in rundir.read_metrics(os.path.join(record.get("run_dir", ""), "metrics.jsonl")):
+    for m in rundir.read_metrics(os.path.join(REPO, record.get("run_dir", ""), "metrics.jsonl")):
         if m.get("step", 0) <= 30:
             continue
         for key, value in m.items():
@@ -49,6 +48,7 @@ def _limiter(record: dict) -> dict:
 
 
 def summarize(runs: dict) -> list[dict]:
+    """One row per variant and length: the loss over seeds, the paired ratio to the reference, the limiter."""
     rows = []
     for (name, seq_len), seeds in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         ref = runs.get((REFERENCE, seq_len), {})
@@ -72,6 +72,7 @@ def summarize(runs: dict) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
+    """remedies.md's table."""
     lines = [
         "| seq len | variant | seeds | val loss | / reference (paired) | limiter mean lam |",
         "|---:|---|---|---|---:|---|",

@@ -1,9 +1,11 @@
 """Issue 23, why the loss rose with the sequence length: measurements of the setup.
 
-    python results/seqlen/setup_check.py data        # -> results/seqlen/setup_data.json (no training)
-    python results/seqlen/setup_check.py positions   # -> results/seqlen/setup_positions.json (needs seqlen2's runs)
-    python results/seqlen/setup_check.py noise       # -> results/seqlen/setup_noise.json (needs seqlen2's runs)
-    python results/seqlen/setup_check.py detail_noise  # -> results/seqlen/setup_detail_noise.json (the same)
+    python -m examples.llama.analysis.seqlen_setup_check data          # no training
+    python -m examples.llama.analysis.seqlen_setup_check positions     # needs seqlen2's runs
+    python -m examples.llama.analysis.seqlen_setup_check noise         # needs seqlen2's runs
+    python -m examples.llama.analysis.seqlen_setup_check detail_noise  # the same
+
+Each writes results/seqlen/setup_<what>.json (setup_data.json, ...).
 
 data: the validation windows of the old studies (``--val-span 0``: ``eval_batches x batch_size``
 windows spread evenly over the validation text, so other text at every length) against
@@ -22,15 +24,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 import jax
 import numpy as np
 import optax
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)
-
-from examples.llama import data as data_lib, sweep  # noqa: E402
+from examples.llama import data as data_lib, sweep
+from examples.llama.analysis import REPO
 
 HERE = os.path.join(REPO, "results", "seqlen")
 LENGTHS = (64, 128, 256, 512, 1024)
@@ -44,6 +45,7 @@ def _spec(seq_len: int, val_span: int) -> data_lib.DataSpec:
 
 
 def check_data() -> dict:
+    """The bigram model's loss on the old and the new validation windows at each length."""
     tokenizer = data_lib.get_tokenizer("byte")
     root, files = data_lib.list_files("stdlib")
     split = data_lib.split_files(root, files, 0.05)
@@ -51,7 +53,7 @@ def check_data() -> dict:
     counts = np.ones((tokenizer.vocab_size, tokenizer.vocab_size))
     np.add.at(counts, (train[:-1], train[1:]), 1)
     logp = np.log(counts / counts.sum(1, keepdims=True))
-    out = {"train_tokens": int(len(train)), "rows": []}
+    out: dict[str, Any] = {"train_tokens": int(len(train)), "rows": []}
     for L in LENGTHS:
         for span in (0, SPAN):
             v = data_lib.make_data(_spec(L, span))[2].reshape(-1, L + 1).astype(np.int64)
@@ -62,7 +64,7 @@ def check_data() -> dict:
     return out
 
 
-def _restore(run_dir: str):
+def _restore(run_dir: str) -> tuple[Any, Any]:
     """(graphdef, params) of a finished run, from its checkpoint."""
     from flax import nnx
 
@@ -79,12 +81,12 @@ def _restore(run_dir: str):
     return graphdef, params
 
 
-def _per_position(graphdef, params, windows: np.ndarray) -> np.ndarray:
+def _per_position(graphdef: Any, params: Any, windows: np.ndarray) -> np.ndarray:
     """Mean cross-entropy at each position of (count, L + 1) windows: (L,)."""
     from flax import nnx
 
     @jax.jit
-    def nll(p, batch):
+    def nll(p: Any, batch: jax.Array) -> jax.Array:
         logits = nnx.merge(graphdef, p)(batch[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
 
@@ -93,10 +95,11 @@ def _per_position(graphdef, params, windows: np.ndarray) -> np.ndarray:
 
 
 def check_positions() -> dict:
+    """AdamW-modular's seed-0 checkpoints (best lr of each length): the loss by position in the window."""
     best = _best_adamw_modular()
     val = {L: data_lib.make_data(_spec(L, SPAN))[2].reshape(-1, L + 1) for L in (128, *sorted(best))}
     buckets = [(0, 16), (16, 128), (128, 512), (512, 1024)]
-    out = {"rows": []}
+    out: dict[str, list[dict]] = {"rows": []}
     for L, r in sorted(best.items()):
         graphdef, params = _restore(os.path.join(REPO, r["run_dir"]))
         for eval_len in sorted({128, L}):
@@ -114,7 +117,7 @@ def check_positions() -> dict:
 def _best_adamw_modular(seed: int = 0) -> dict:
     """{seq_len: record} of AdamW-modular's best-lr run of `seed` at each length in seqlen2.jsonl."""
     records = sweep.load_records(os.path.join(HERE, "seqlen2.jsonl"))
-    best = {}
+    best: dict[int, dict] = {}
     for r in records:
         f = r["flags"]
         if r["name"] == "adamw-modular" and f["seed"] == seed and r["final_val_loss"] is not None:
@@ -138,7 +141,7 @@ def check_noise(batches: int = 24) -> dict:
     graphdef, params = _restore(os.path.join(REPO, r["run_dir"]))
     grad_fn = jax.jit(jax.grad(lambda p, b: train.loss_fn(graphdef, p, b)))
     flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])  # noqa: E731
-    out = {"checkpoint": r["run_dir"], "batches": batches, "rows": []}
+    out: dict[str, Any] = {"checkpoint": r["run_dir"], "batches": batches, "rows": []}
     for L in (128, 256, 512, 1024):
         loader = data_lib.make_data(_spec(L, SPAN))[1]
         g = np.stack([flat(grad_fn(params, next(loader))) for _ in range(batches)]).astype(np.float64)
@@ -171,7 +174,7 @@ def check_detail_noise(batches: int = 24) -> dict:
     grad_fn = jax.jit(jax.grad(lambda p, b: train.loss_fn(graphdef, p, b)))
 
     @jax.jit
-    def split(grads):
+    def split(grads: Any) -> tuple[jax.Array, jax.Array]:
         leaves = [(path, g) for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]
                   if diagnostics.param_group(path) != "other" and g.ndim == 2]  # fmt: skip
         low = [diagnostics.lowpass(g, 0, 2) for _, g in leaves]
@@ -182,7 +185,7 @@ def check_detail_noise(batches: int = 24) -> dict:
         mean = g.mean(0)
         return float(np.mean(((g - mean) ** 2).sum(1)) / (mean @ mean)), float((g**2).sum(1).mean()), float(mean @ mean)
 
-    out = {"checkpoint": r["run_dir"], "batches": batches, "rows": []}
+    out: dict[str, Any] = {"checkpoint": r["run_dir"], "batches": batches, "rows": []}
     for L in (128, 512, 1024):
         loader = data_lib.make_data(_spec(L, SPAN))[1]
         parts = [split(grad_fn(params, next(loader))) for _ in range(batches)]
@@ -197,15 +200,18 @@ def check_detail_noise(batches: int = 24) -> dict:
     return out
 
 
-if __name__ == "__main__":
-    what = sys.argv[1] if len(sys.argv) > 1 else "data"
-    result = {
-        "data": check_data,
-        "positions": check_positions,
-        "noise": check_noise,
-        "detail_noise": check_detail_noise,
-    }[what]()
+CHECKS = {"data": check_data, "positions": check_positions, "noise": check_noise, "detail_noise": check_detail_noise}
+
+
+def main(what: str = "data") -> dict:
+    """Runs the check `what` (a key of `CHECKS`) and writes its results/seqlen/setup_<what>.json."""
+    result = CHECKS[what]()
     path = os.path.join(HERE, f"setup_{what}.json")
     with open(path, "w") as fh:
         json.dump(result, fh, indent=1)
     print(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:2])

@@ -1,7 +1,7 @@
 """Issue 23: the tables of the setup checks, from their committed results, into setup.md.
 
-    python results/seqlen/setup_summary.py   # reads setup_*.json,
-                                             # control.jsonl, seqlen2.jsonl -> setup.md
+    python -m examples.llama.analysis.seqlen_setup_summary   # reads results/seqlen/setup_*.json,
+                                                             # control.jsonl, seqlen2.jsonl -> setup.md
 
 docs/study.md carries setup.md between its ``seqlen-setup`` markers (tests/test_seqlen_setup.py checks it).
 """
@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from examples.llama.analysis import REPO
+
+HERE = os.path.join(REPO, "results", "seqlen")
 
 
-def _load(name: str):
+def _load(name: str) -> Any:
+    """A results file of results/seqlen: a JSON file's value, or a JSONL file's list of records."""
     path = os.path.join(HERE, name)
     if name.endswith(".jsonl"):
         with open(path) as fh:
@@ -92,7 +96,7 @@ def control_table() -> list[str]:
     control = _load("control.jsonl")
     lrs = sorted({r["flags"]["lr"] for r in control})
 
-    def cell(records, **want) -> str:
+    def cell(records: list[dict], **want: float) -> str:
         hit = [r for r in records if all(r["flags"].get(k, 1) == v for k, v in want.items())]
         return f"{hit[-1]['final_val_loss']:.4f}" if hit else ""
 
