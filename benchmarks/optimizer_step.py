@@ -334,7 +334,7 @@ KERNEL_NOTE = (
     "v are two fusions that each read G, as XLA CPU has no sibling multi-output fusion; the limiter's norm is a "
     "separate reduction that YNNPACK runs at about half the streaming bandwidth) before the final pass that "
     "reads G, P and the quarter-size m, v and writes P. The compiled kernel (optax_gwt.kernels.cpu_ffi, an XLA FFI "
-    "custom call, used by default where it applies) makes the first three one pass that reads G once, updates "
+    "custom call, opted in with FastPath(cpu_kernel=True) in the gwt-N rows) makes the first three one pass that reads G once, updates "
     "m and v in place and returns the norm; the final pass stays in XLA, fused with the learning rate, weight "
     "decay and apply_updates. What is left is that final pass's arithmetic: it recomputes each block's mean "
     "from G (B loads per element) and the square root and division per element, since materialising "

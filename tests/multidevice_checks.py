@@ -461,3 +461,14 @@ def test_stacked_update_as_a_tpu_partitions_it(spec):
     sharded = run(lambda t: jax.device_put(t, NamedSharding(mesh, spec)))
     single = run(lambda t: jax.device_put(t, jax.devices()[0]))
     np.testing.assert_allclose(sharded, single, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("spec", [P(None, None, "fsdp"), P()], ids=["sharded", "replicated"])
+@pytest.mark.parametrize("name", [r.name for r in optax_gwt.kernels.RULES if r.partitioning == "partitioned"])
+def test_partitioned_rows_equal_the_reference(name, spec, x64):
+    """The rows for programs that XLA partitions (`test_kernels`' cases, on 8 devices): the
+    float64 reference's trajectory, and the row chosen."""
+    import test_kernels
+
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+    test_kernels.check_row(name, lambda tree: jax.device_put(tree, NamedSharding(mesh, spec)))

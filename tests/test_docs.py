@@ -363,8 +363,9 @@ RESULT_BLOCKS = [
      "--out results/targets/train", "results/targets/train.md"),
     ("performance.md", "targets-train-7b", "python -m benchmarks.target_compile --model 7b --layers 1 --optimizers "
      "gwt1 gwt2 gwt3 --step train --out results/targets/train-7b-layer", "results/targets/train-7b-layer.md"),
-    ("performance.md", "targets-train-7b-xla", "OPTAX_GWT_TPU_KERNEL=0 python -m benchmarks.target_compile --model 7b "
-     "--layers 1 --optimizers gwt1 gwt2 gwt3 --step train --targets v5e v6e --out results/targets/train-7b-layer-xla",
+    ("performance.md", "targets-train-7b-xla", "python -m benchmarks.target_compile --model 7b "
+     "--layers 1 --optimizers gwt1 gwt2 gwt3 --step train --targets v5e v6e --fast-path no-pallas "
+     "--out results/targets/train-7b-layer-xla",
      "results/targets/train-7b-layer-xla.md"),
     ("performance.md", "targets-fsdp", "python -m benchmarks.target_compile --model 7b --fsdp 64 --optimizers gwt2 "
      "gwt2-delayed gwt2-nolimit adamw-stacked gwt2-stacked gwt2-stacked-delayed --out results/targets/update-7b-fsdp64",

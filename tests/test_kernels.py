@@ -1,0 +1,137 @@
+"""The fast-path table (`optax_gwt.kernels`), row by row, against the float64 reference.
+
+Each row of `RULES` has a case here that takes it: jitted `gwt_adamw` steps (or `foam_adamw`'s)
+whose trajectory must equal the NumPy reference of the authors' optimizer (`reference.py`),
+to float64 rounding or, for the rows that need float32 arrays, within the float32 bound of
+`test_transform`. CPU rows run through `jax.lax.platform_dependent` as a CPU program lowers
+it; other platforms' rows run here with ``FastPath(platform=...)`` (Pallas in its
+interpreter). The row for programs that XLA partitions runs on 8 devices
+(`multidevice_checks.test_partitioned_rows_equal_the_reference`). The table in the docs is
+the table in the code.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_gwt
+from optax_gwt.kernels import RULES, Case, FastPath, markdown_table, recording, select
+from reference import ReferenceFOAM, ReferenceGWTAdamW, problem, random_grads
+
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "fast_paths.md"
+
+
+class RowCase(NamedTuple):
+    shapes: dict
+    dtype: type = np.float64
+    fast_path: FastPath | str = "auto"
+    foam: bool = False
+    steps: int = 5
+    batch_axes: int = 0
+
+
+TPU, CUDA, ROCM = (FastPath(platform=p) for p in ("tpu", "cuda", "rocm"))
+CASES = {
+    "tpu-block-sums": RowCase({"w": (64, 8), "bias": (7,)}, fast_path=TPU),
+    "tpu-repeat-one-device": RowCase({"w": (32, 128)}, fast_path=TPU),
+    "tpu-repeat-partitioned": RowCase({"w": (3, 16, 128)}, fast_path=TPU, batch_axes=1),  # on 8 devices
+    "tpu-means-from-gradient": RowCase({"w": (64, 8), "v": (37, 6)}, np.float32, TPU),
+    "cuda-means-from-gradient": RowCase({"w": (64, 8), "v": (37, 6)}, np.float32, CUDA, foam=True),
+    "rocm-means-from-gradient": RowCase({"w": (64, 8)}, np.float32, ROCM),
+    "tpu-pallas-update": RowCase({"w": (4096, 2048)}, np.float32, TPU, steps=2),
+    "cpu-ffi-moments": RowCase({"w": (64, 8), "v": (37, 6)}, fast_path=FastPath(cpu_kernel=True)),
+    "cpu-one-limiter-vector": RowCase({"w": (64, 8), "v": (37, 6), "bias": (7,)}),
+}
+ONE_DEVICE = [r.name for r in RULES if r.partitioning != "partitioned"]
+
+
+def test_every_row_has_a_case_that_selects_it():
+    assert sorted(CASES) == sorted(r.name for r in RULES)
+    names = [r.name for r in RULES]
+    assert len(set(names)) == len(names)
+
+
+def optimizer(case: RowCase, level: int = 2):
+    build = optax_gwt.foam_adamw if case.foam else optax_gwt.gwt_adamw
+    return build(1e-2, weight_decay=0.1, level=level, fast_path=case.fast_path, batch_axes=case.batch_axes)
+
+
+def reference(case: RowCase, level: int = 2):
+    if case.foam:
+        return ReferenceFOAM(lr=1e-2, weight_decay=0.1, level=level)
+    return ReferenceGWTAdamW(lr=1e-2, weight_decay=0.1, level=level)
+
+
+def check_row(name: str, put: Callable = lambda tree: tree) -> None:
+    """`CASES[name]`'s jitted trajectory (its arrays placed by `put`) equals the reference's (in
+    float32, as closely as the plain formulation's does), and the row was chosen while tracing it."""
+    case = CASES[name]
+    if name == "cpu-ffi-moments":
+        from optax_gwt.kernels import cpu_ffi
+
+        if not cpu_ffi.available():
+            pytest.skip("no C++ compiler: the opt-in CPU kernel is not built")
+    with recording() as taken:
+        got, want, start = trajectories(case, put)
+    assert name in taken, sorted(set(taken))
+    plain = None if case.dtype == np.float64 else trajectories(case._replace(fast_path="xla"), put)[0]
+    for k in want:
+        error = np.abs(np.asarray(got[k], np.float64) - want[k]).max()
+        if plain is None:
+            assert error <= 1e-9, (k, error)
+        else:  # float32: within a few times the plain formulation's own rounding error
+            rounding = np.abs(plain[k] - want[k]).max()
+            assert error <= 4 * rounding + 1e-7 * np.abs(want[k] - start[k]).max(), (k, error, rounding)
+
+
+def trajectories(case: RowCase, put: Callable) -> tuple[dict, dict, dict]:
+    """``(ours, the reference's, the start)`` after `case.steps` steps, as float64 NumPy arrays by
+    matrix (a stack's matrices are the reference's arrays one by one)."""
+    params, rng = problem(case.shapes, 0, case.dtype)
+
+    def split(tree: dict) -> dict:
+        tree = {k: np.asarray(v, np.float64) for k, v in tree.items()}
+        if not case.batch_axes:
+            return tree
+        return {f"{k}[{i}]": v[i] if v.ndim == 3 else v for k, v in tree.items() for i in range(len(v))}
+
+    opt, ref, want = optimizer(case), reference(case), split(params)
+    p = put(jax.tree.map(jnp.asarray, params))
+    state, update = jax.jit(opt.init)(p), jax.jit(opt.update)
+    for _ in range(case.steps):
+        g = random_grads(rng, params, case.dtype)
+        want = ref.step(want, split(g))
+        u, state = update(put(jax.tree.map(jnp.asarray, g)), state, p)
+        p = optax.apply_updates(p, u)
+    return split(jax.device_get(p)), want, split(params)
+
+
+@pytest.mark.parametrize("name", ONE_DEVICE)
+def test_row_equals_the_reference(name, x64):
+    check_row(name)
+
+
+def test_rows_are_chosen_by_their_conditions():
+    """`select` on cases just outside each condition takes the plain formulation."""
+    f32 = dict(dtype=np.float32, state_dtype=np.float32)
+    assert select(Case("block_sums", (66, 8), axis=0, block=4), "tpu")[0] is None  # 4 does not divide 66
+    assert select(Case("block_means", (64, 8), axis=0, block=8, **f32), "tpu")[0] is None  # level 3
+    assert select(Case("block_means", (3, 64, 8), axis=1, block=4, **f32), "cuda")[0] is None  # a stack
+    big = Case("block_means", (2048, 1024), axis=0, block=4, **f32)
+    assert select(big, "cuda")[0] is None and select(big, "tpu")[0] is not None
+    assert select(Case("repeat", (8, 100), axis=0, block=4, length=32), "tpu") == (None, None)  # 100 lanes
+    assert select(Case("limiter"), "cpu", "xla") == (None, None)
+    assert select(Case("limiter"), "tpu") == (None, None)
+
+
+def test_the_docs_table_is_the_table():
+    text = DOCS.read_text()
+    assert markdown_table() in text, "docs/fast_paths.md: paste optax_gwt.kernels.markdown_table()"
