@@ -171,3 +171,25 @@ def test_example_cli_without_its_extra_prints_one_line():
         )
     alone = _hidden_run(CLIS[:1], catch=False)
     assert alone.returncode == 1 and alone.stdout == "" and alone.stderr == results[0][2] + "\n", alone
+
+
+def test_import_loads_no_kernel_and_no_private_jax():
+    """The fast paths are imported when a step that may take them is traced, not with the package."""
+    code = (
+        "import sys, jax, optax\n"
+        "before = set(sys.modules)\n"
+        "import optax_gwt\n"
+        "new = set(sys.modules) - before\n"
+        "print(sorted(m for m in new if 'pallas' in m or m.startswith('jax._src') or m.count('optax_gwt.kernels.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "['optax_gwt.kernels.rules']"
+    private = {str(f.relative_to(ROOT)) for f in PACKAGE.rglob("*.py") if "jax._src" in f.read_text()}
+    assert not private
+
+
+def test_the_wheel_ships_the_kernel_source():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["optax_gwt"]
+    sources = sorted(str(f.relative_to(PACKAGE)) for f in PACKAGE.rglob("*.cc"))
+    assert sources and all(any(pathlib.PurePath(s).match(p) for p in patterns) for s in sources), (sources, patterns)
