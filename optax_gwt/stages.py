@@ -21,6 +21,7 @@ projection.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -455,21 +456,29 @@ def _limit_factors(nodes: list, r_prev: list, count: jax.Array, gamma: float) ->
     `optax_gwt.kernels`: on a CPU they are one vector), so that no array's full-size pass
     waits for another array's norm. The values are the same either way.
     """
+
+    def per_array(nodes, r_prev, count, gamma):
+        lams, rs = [], []
+        for x, p in zip(nodes, r_prev, strict=True):
+            lam, r = limit_vector([x], [p], count, gamma)
+            lams += lam
+            rs += r
+        return lams, rs
+
+    return kernels.switch(kernels.Case("limiter"), nodes[0].spec.fast_path, per_array, nodes, r_prev, count, gamma)
+
+
+def limit_vector(nodes: list, r_prev: list, count: jax.Array, gamma: float) -> tuple[list, list]:
+    """`_limit_factors` of `nodes` with all their scalars in one vector: ``r = sqrt(sq) / scale``
+    and ``lam = max(r / r_prev, gamma) / gamma`` (1 at the first step)."""
     dt = _scalar_dtype(r_prev)
-    inputs = [_limit_inputs(x, p, dt) for x, p in zip(nodes, r_prev, strict=True)]
-    sq, scale, prev = ([t[i] for t in inputs] for i in range(3))
-
-    def per_array(sq, scale, prev, count, gamma):
-        out = [limit_factors(*t, count, gamma) for t in zip(sq, scale, prev, strict=True)]
-        return [lam for lam, _ in out], [r for _, r in out]
-
-    lams, rs = kernels.switch(
-        kernels.Case("limiter"), nodes[0].spec.fast_path, per_array, sq, scale, prev, count, gamma
-    )
+    sq, scale, prev = zip(*(_limit_inputs(x, p, dt) for x, p in zip(nodes, r_prev, strict=True)), strict=True)
+    r = jnp.sqrt(jnp.concatenate(sq).astype(dt)) / jnp.concatenate(scale)
+    lam = jnp.where(count == 0, 1.0, jnp.maximum(r / (jnp.concatenate(prev) + 1e-8), gamma) / gamma).astype(dt)
+    bounds = list(itertools.accumulate(x.shape[0] for x in sq))[:-1]
     shapes = [x.spec.batch_shape for x in nodes]
-    return [v.reshape(s) for v, s in zip(lams, shapes, strict=True)], [
-        v.reshape(s) for v, s in zip(rs, shapes, strict=True)
-    ]
+    split = lambda v: [part.reshape(shape) for part, shape in zip(jnp.split(v, bounds), shapes, strict=True)]  # noqa: E731
+    return split(lam), split(r)
 
 
 def _limit_inputs(x: WaveletCoefficients, p: jax.Array, dt: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -488,16 +497,6 @@ def _limit_inputs(x: WaveletCoefficients, p: jax.Array, dt: Any) -> tuple[jax.Ar
     assert x.step_scale is not None  # limit_norm_growth checked it
     scale = ones if b == 0 and x.sq_norm is not None else ones * x.step_scale.astype(dt)
     return sq, scale, p.astype(dt).reshape(-1)
-
-
-def limit_factors(sq: jax.Array, scale: jax.Array, prev: jax.Array, count: jax.Array, gamma: float):
-    """Fira's limiter on vectors of matrices' squared norms `sq`, step scales and previous
-    norms: ``(lam, r)`` with ``r = sqrt(sq) / scale`` and ``lam = max(r / prev, gamma) /
-    gamma`` (1 at the first step)."""
-    dt = prev.dtype
-    r = jnp.sqrt(sq.astype(dt)) / scale
-    lam = jnp.where(count == 0, 1.0, jnp.maximum(r / (prev + 1e-8), gamma) / gamma).astype(dt)
-    return lam, r
 
 
 def _scalar_owners(updates: Any, scalars: Any) -> list[int]:

@@ -10,7 +10,6 @@ reads it anyway (GPUs and TPUs), and the limiter's norms as one vector (the CPU)
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -118,14 +117,8 @@ def means_from_gradient(case: Case, plain: Callable) -> Callable:
 
 
 def one_limiter_vector(case: Case, plain: Callable) -> Callable:
-    """Row ``cpu-one-limiter-vector``: ``f(sq, scale, prev, count, gamma)`` of the limiter
-    (`stages.limit_factors` per array in the plain formulation), every array's scalars
-    concatenated into one vector."""
-    from optax_gwt.stages import limit_factors
+    """Row ``cpu-one-limiter-vector``: ``f(nodes, r_prev, count, gamma)``, the limiter's
+    `stages.limit_vector` on every array's scalars at once (the plain formulation: per array)."""
+    from optax_gwt.stages import limit_vector
 
-    def factors(sq: list, scale: list, prev: list, count: jax.Array, gamma: float) -> tuple[list, list]:
-        lam, r = limit_factors(jnp.concatenate(sq), jnp.concatenate(scale), jnp.concatenate(prev), count, gamma)
-        bounds = list(itertools.accumulate(x.shape[0] for x in sq))[:-1]
-        return jnp.split(lam, bounds), jnp.split(r, bounds)
-
-    return factors
+    return limit_vector
