@@ -51,6 +51,7 @@ import optax
 import optax_gwt
 from benchmarks.llama_shapes import CONFIGS, llama_params, param_labels
 from optax_gwt.hlo_traffic import entry_traffic
+from optax_gwt.kernels import cpu_ffi
 
 LEARNING_RATE = 1e-3
 WEIGHT_DECAY = 0.01
@@ -286,7 +287,7 @@ def machine() -> dict:
         "python": platform.python_version(),
         "load_average": os.getloadavg(),
         # Whether GWT's compiled CPU kernel runs (else every GWT row is XLA alone).
-        "gwt_cpu_kernel": jax.default_backend() == "cpu" and optax_gwt.kernels.cpu_ffi.available(),
+        "gwt_cpu_kernel": jax.default_backend() == "cpu" and cpu_ffi.available(),
     }
 
 
@@ -334,7 +335,8 @@ KERNEL_NOTE = (
     "v are two fusions that each read G, as XLA CPU has no sibling multi-output fusion; the limiter's norm is a "
     "separate reduction that YNNPACK runs at about half the streaming bandwidth) before the final pass that "
     "reads G, P and the quarter-size m, v and writes P. The compiled kernel (optax_gwt.kernels.cpu_ffi, an XLA FFI "
-    "custom call, opted in with FastPath(cpu_kernel=True) in the gwt-N rows) makes the first three one pass that reads G once, updates "
+    "custom call, opted in with FastPath(cpu_kernel=True) in the gwt-N rows) makes the first three one pass "
+    "that reads G once, updates "
     "m and v in place and returns the norm; the final pass stays in XLA, fused with the learning rate, weight "
     "decay and apply_updates. What is left is that final pass's arithmetic: it recomputes each block's mean "
     "from G (B loads per element) and the square root and division per element, since materialising "
@@ -396,7 +398,7 @@ def markdown(report: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def main(argv=None):
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     default_models = "60m,130m" if jax.default_backend() == "cpu" else "60m,130m,350m,1b"
     parser.add_argument("--models", default=default_models, help=f"comma-separated, of {list(CONFIGS)}")
@@ -423,16 +425,58 @@ def main(argv=None):
     parser.add_argument(
         "--render", default=None, metavar="JSON", help="only re-render a saved JSON report (to --readme)"
     )
-    args = parser.parse_args(argv)
-    if args.render:
-        report = json.loads(Path(args.render).read_text())
-        if report.get("kernel_note"):
-            report["kernel_note"] = KERNEL_NOTE  # interpretation, not a measurement: the current text
-        print(markdown(report))
-        if args.readme:
-            replace_between_markers(Path(args.readme), markdown(report))
-        return
+    return parser
 
+
+def _render(path: str, readme: str | None) -> None:
+    """Re-renders a saved report (and puts it into `readme`)."""
+    report = json.loads(Path(path).read_text())
+    if report.get("kernel_note"):
+        report["kernel_note"] = KERNEL_NOTE  # interpretation, not a measurement: the current text
+    print(markdown(report))
+    if readme:
+        replace_between_markers(Path(readme), markdown(report))
+
+
+def _measure_model(model: str, scope: str, names: list[str], args: argparse.Namespace) -> dict:
+    """One model's (and scope's) measurements, printed as they come."""
+    cfg = CONFIGS[model]
+    params = llama_params(cfg, only_attention_mlp=scope == "matrices", dtype=jnp.dtype(args.dtype))
+    opts = optimizers(cfg.hidden_size, param_labels(params), names, dtype=jnp.dtype(args.dtype))
+    print(f"{model} [{scope}] ...", flush=True)
+    res = measure(opts, params, args.rounds, args.inner)
+    res["scope"] = scope
+    labels = jax.tree_util.tree_leaves(param_labels(params))
+    sizes = [int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(params)]
+    matrix_size = sum(n for n, lab in zip(sizes, labels, strict=True) if lab == "matrix")
+    res["matrix_fraction"] = matrix_size / sum(sizes)
+    for name, r in res["optimizers"].items():
+        print(
+            f"  {name:10s} step {r['step_median_s'] * 1e3:8.1f} ms {r['step_ratio']:5.2f}x   update "
+            f"{r['update_median_s'] * 1e3:8.1f} ms {r['update_ratio']:5.2f}x   "
+            f"state {r['state_bytes'] / 2**20:7.1f} MiB   "
+            f"temp {r['step_memory']['temp_bytes'] / 2**20:6.1f} MiB   fusions {r['hlo']['fusions']:4d}   "
+            f"{r['hlo']['bytes_read_per_param'] + r['hlo']['bytes_written_per_param']:5.1f} B/param",
+            flush=True,
+        )
+    return res
+
+
+def _write(report: dict, out_path: str, readme: str | None) -> None:
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    out.with_suffix(".md").write_text(markdown(report))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    if readme:
+        replace_between_markers(Path(readme), markdown(report))
+        print(f"updated {readme}")
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
+    if args.render:
+        return _render(args.render, args.readme)
     names = args.optimizers.split(",")
     scopes = ["model", "matrices"] if args.scope == "both" else [args.scope]
     report = {
@@ -447,28 +491,9 @@ def main(argv=None):
         "models": {},
     }
     for model in args.models.split(","):
-        cfg = CONFIGS[model]
         for scope in scopes:
-            params = llama_params(cfg, only_attention_mlp=scope == "matrices", dtype=jnp.dtype(args.dtype))
-            opts = optimizers(cfg.hidden_size, param_labels(params), names, dtype=jnp.dtype(args.dtype))
-            print(f"{model} [{scope}] ...", flush=True)
-            res = measure(opts, params, args.rounds, args.inner)
-            res["scope"] = scope
-            labels = jax.tree_util.tree_leaves(param_labels(params))
-            sizes = [int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(params)]
-            matrix_size = sum(n for n, lab in zip(sizes, labels, strict=True) if lab == "matrix")
-            res["matrix_fraction"] = matrix_size / sum(sizes)
-            report["models"][model if len(scopes) == 1 else f"{model}-{scope}"] = res
-            for name, r in res["optimizers"].items():
-                print(
-                    f"  {name:10s} step {r['step_median_s'] * 1e3:8.1f} ms {r['step_ratio']:5.2f}x   update "
-                    f"{r['update_median_s'] * 1e3:8.1f} ms {r['update_ratio']:5.2f}x   "
-                    f"state {r['state_bytes'] / 2**20:7.1f} MiB   "
-                    f"temp {r['step_memory']['temp_bytes'] / 2**20:6.1f} MiB   fusions {r['hlo']['fusions']:4d}   "
-                    f"{r['hlo']['bytes_read_per_param'] + r['hlo']['bytes_written_per_param']:5.1f} B/param",
-                    flush=True,
-                )
-            del params, opts, res
+            key = model if len(scopes) == 1 else f"{model}-{scope}"
+            report["models"][key] = _measure_model(model, scope, names, args)
     if not args.no_shapes and "gwt2" in names:
         print("GWT-2 across shapes ...", flush=True)
         report["shapes"] = shape_study(args.rounds, args.inner)
@@ -476,16 +501,8 @@ def main(argv=None):
     report["kernel_note"] = KERNEL_NOTE
     report["machine"]["load_average_end"] = os.getloadavg()
     print("\n".join(report["verdict"]))
-    if report.get("kernel_note"):
-        print(report["kernel_note"])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    out.with_suffix(".md").write_text(markdown(report))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
-    if args.readme:
-        replace_between_markers(Path(args.readme), markdown(report))
-        print(f"updated {args.readme}")
+    print(report["kernel_note"])
+    _write(report, args.out, args.readme)
 
 
 START_MARKER = "<!-- performance-table:start (written by python -m benchmarks.optimizer_step --readme) -->"
