@@ -161,18 +161,7 @@ def adam_update(
         )  # fmt: skip
         return scaled(u, scale, out_dtype)
 
-    return switch(case, fp, _PlainUpdate(xla, options), stored, approx, mu, nu, factors)
-
-
-class _PlainUpdate:
-    """`adam_update`'s plain formulation, and what a kernel that takes over needs: its options
-    and the same update from arrays alone (`update_from_scalars`)."""
-
-    def __init__(self, xla, options: dict):
-        self.xla, self.options = xla, options
-
-    def __call__(self, *args):
-        return self.xla(*args)
+    return switch(case, fp, xla, stored, approx, mu, nu, factors, options)
 
 
 def update_from_scalars(g, approx, mu, nu, scalars, *, block: int, residual: bool, compute, out, fast_path):

@@ -195,16 +195,16 @@ def haar_adam_update(
 
 
 def update(case: Case, plain: Any) -> Any:
-    """Row ``tpu-pallas-update``: ``f(g, approx, mu, nu, factors)`` (`haar.adam_update`'s
-    arrays, and its scalars ``eps, approx_factor, detail_factor, rho, scale``);
-    ``f.emulated`` runs the kernel in Pallas's interpreter."""
+    """Row ``tpu-pallas-update``: ``f(g, approx, mu, nu, factors, options)``, `haar.adam_update`'s
+    arrays, its scalars ``(eps, approx_factor, detail_factor, rho, scale)`` and the options of
+    `haar_adam_update`; ``f.emulated`` runs the kernel in Pallas's interpreter."""
     from optax_gwt.haar import update_from_scalars
 
     def on(interpret: bool):
-        def f(g, approx, mu, nu, factors):
+        def f(g, approx, mu, nu, factors, options):
             scalars = jnp.stack([jnp.asarray(x, jnp.float32) for x in factors])
             return haar_adam_update(
-                g, approx, mu, nu, scalars, fallback=update_from_scalars, interpret=interpret, **plain.options
+                g, approx, mu, nu, scalars, fallback=update_from_scalars, interpret=interpret, **options
             )
 
         return f
