@@ -92,6 +92,12 @@ def test_a_micro_batch_the_compiler_refuses_does_not_fit(monkeypatch):
     tx = optax_gwt.gwt_adamw(1e-3, level=2)
     result = plan.plan_step(toy_loss, tx, toy_params(), toy_batch, budget=2**40)
     assert result.batch == 5 and result.probes[6] == math.inf
+    # Even micro-batch 1 refused: no fit, and the sizes the compiler said it needed, not a traceback.
+    needed = "RESOURCE_EXHAUSTED: the total memory required for HLO temporaries (1.50G) exceeds available HBM"
+    monkeypatch.setattr(plan, "compile_step", lambda *args: refusing(*args[:3], toy_batch(6), message=needed))
+    refused = plan.plan_step(toy_loss, tx, toy_params(), toy_batch, budget=2**40)
+    assert refused.batch == 0 and refused.memory.refused and refused.memory.temporaries == int(1.5 * 2**30)
+    assert refused.memory.opt_state == plan.shard_bytes(plan.abstract_state(tx, toy_params()))
     monkeypatch.setattr(plan, "compile_step", functools.partial(refusing, message="INTERNAL: something else"))
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
         plan.plan_step(toy_loss, tx, toy_params(), toy_batch, budget=2**40)
@@ -153,10 +159,34 @@ def test_llama_planner_on_a_tiny_config():
     params = llama.sharded(llama.abstract_params(cfg), mesh)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     memory = {}
-    for name in ("adamw", "gwt-2"):
+    for name in ("adamw", "gwt-2", "foam-2"):
         tx = llama.make_optimizer(name, cfg)
         compiled, state = plan.compile_step(llama.loss_fn(cfg, mesh=mesh), tx, params, llama.batch_at(mesh, 16)(2))
         memory[name] = plan.step_memory(compiled, state, llama.batch_at(mesh, 16)(2), params=params)
     assert memory["adamw"].params == 4 * n_params
     assert memory["adamw"].opt_state >= 2 * 4 * n_params > memory["gwt-2"].opt_state
     assert memory["gwt-2"].total < memory["adamw"].total
+    assert memory["foam-2"].opt_state < memory["adamw"].opt_state
+
+
+def test_a_model_that_does_not_fit_is_a_row_not_a_traceback(monkeypatch):
+    """Micro-batch 1 refused by the chip's compiler: the report says "does not fit" with the total
+    the compiler said the step needed, and every row states the optimizer state it saves."""
+    from optax_gwt.plan import report
+
+    needed = "RESOURCE_EXHAUSTED: the total memory required for HLO temporaries (2.00G) exceeds available HBM"
+
+    def refusing(*args):
+        raise jax.errors.JaxRuntimeError(needed)
+
+    rows = []
+    for name, tx in (("adamw", optax.adamw(1e-3)), ("gwt-2", optax_gwt.gwt_adamw(1e-3, level=2))):
+        monkeypatch.setattr(plan, "compile_step", refusing if name == "gwt-2" else plan.compile_step)
+        result = plan.plan_step(toy_loss, tx, toy_params(), toy_batch, budget=2**40, max_batch=4)
+        rows.append(report.row("toy", name, 2 * 64 * 256, result, plan.ACCELERATORS["v5e"], 16, 1))
+        monkeypatch.undo()
+    adamw, gwt = report.with_state_saved(rows)
+    assert adamw["batch_text"] == "4" and gwt["batch_text"] == "does not fit"
+    assert gwt["total_b1_gib"] > 2.0 and math.isfinite(gwt["total_b1_gib"])
+    assert adamw["state_saved_gib"] == 0 and gwt["state_saved_gib"] > 0
+    assert "does not fit" in report.table([adamw, gwt])

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -57,6 +58,7 @@ __all__ = [
     "roofline_seconds",
     "shard_bytes",
     "step_memory",
+    "refused_memory",
     "train_step",
 ]
 
@@ -89,7 +91,9 @@ class StepMemory(NamedTuple):
     ``total = params + opt_state + batch + temporaries + other``: the
     gradients are counted inside ``temporaries`` (XLA allocates them there)
     and reported on their own as ``grads``; ``other`` is the outputs that do
-    not alias a donated input (the loss) and the generated code.
+    not alias a donated input (the loss) and the generated code. ``refused``:
+    the chip's compiler refused the step for memory (`refused_memory`), and
+    these are the sizes it needed.
     """
 
     params: int
@@ -99,6 +103,7 @@ class StepMemory(NamedTuple):
     temporaries: int
     other: int
     total: int
+    refused: bool = False
 
 
 class Cost(NamedTuple):
@@ -273,6 +278,28 @@ def _refused_for_memory(error: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in str(error)
 
 
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def refused_memory(error: Exception, state: Any, batch: Any, *, params: Any) -> StepMemory:
+    """The `StepMemory` of a step the chip's compiler refused for memory: params, state and batch
+    from their shapes, the temporaries from the compiler's message ("HLO temporaries (20.62G)";
+    0 where it names none), ``refused`` set.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> p = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+      >>> error = RuntimeError("RESOURCE_EXHAUSTED: ... memory required for HLO temporaries (1.50G) exceeds ...")
+      >>> m = refused_memory(error, p, jax.ShapeDtypeStruct((8, 1024), jnp.float32), params=p)
+      >>> m.refused, m.temporaries / 2**30, round(m.total / 2**30, 3)
+      (True, 1.5, 1.508)
+    """
+    found = re.search(r"temporaries \(([\d.]+)\s*([KMGT]?)i?B?\)", str(error))
+    temps = int(float(found[1]) * _UNITS[found[2]]) if found else 0
+    p, s, b = shard_bytes(params), shard_bytes(state), shard_bytes(batch)
+    return StepMemory(p, p, s, b, temps, 0, p + s + b + temps, refused=True)
+
+
 def plan_step(
     loss_fn: Callable,
     optimizer: optax.GradientTransformation,
@@ -327,12 +354,19 @@ def plan_step(
 
     batch, probes = largest_batch(total_at, budget, max_batch)
     b = max(batch, 1)
+    try:
+        memory, compiled = memory_at(b), compiled_at(b)[0]
+    except jax.errors.JaxRuntimeError as e:  # micro-batch 1 refused: the sizes it needed
+        if not _refused_for_memory(e):
+            raise
+        memory = refused_memory(e, abstract_state(optimizer, params), batch_at(b), params=params)
+        compiled = None
     update_cost = compiled_cost(compile_update(optimizer, params))
-    if grad_cost is None:
-        cost = compiled_cost(compiled_at(b)[0])
-    else:
+    if grad_cost is not None:
         cost = Cost(*(g + u for g, u in zip(grad_cost(b), update_cost, strict=True)))
-    return StepPlan(batch, memory_at(b), cost, update_cost, probes, time.perf_counter() - start)
+    else:
+        cost = compiled_cost(compiled) if compiled is not None else Cost(float("nan"), float("nan"))
+    return StepPlan(batch, memory, cost, update_cost, probes, time.perf_counter() - start)
 
 
 def linear_extrapolation(cost_of: Callable[[int], Cost], n: int) -> Cost:

@@ -121,11 +121,13 @@ def plan_rows(args: argparse.Namespace, sizes: dict) -> list[dict]:
             optimizers=args.optimizers or llama.OPTIMIZERS,
             max_batch=args.max_batch,
         )
+        mine = []
         for opt, plan in plans.items():
-            rows.append(
+            mine.append(
                 report.row(name, opt, n_params, plan, acc, args.seq_len, sizes.get("data", 1) * sizes.get("fsdp", 1))
             )
-            print(report.table(rows[-1:]).splitlines()[-1], f"  ({plan.seconds:.0f} s)", flush=True)
+            print(report.table(mine[-1:]).splitlines()[-1], f"  ({plan.seconds:.0f} s)", flush=True)
+        rows += report.with_state_saved(mine)
     return rows
 
 

@@ -67,7 +67,7 @@ __all__ = [
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 #: The optimizers the planner compares (GaLore's rank matches GWT-2's state).
-OPTIMIZERS = ("adamw", "gwt-1", "gwt-2", "gwt-3", "galore", "adafactor")
+OPTIMIZERS = ("adamw", "gwt-1", "gwt-2", "gwt-3", "foam-2", "foam-3", "galore", "adafactor")
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
 _ROW = ("o_proj", "down_proj")
 
@@ -220,8 +220,8 @@ def state_in(dtype: str, tx: optax.GradientTransformation) -> optax.GradientTran
 def make_optimizer(name: str, cfg: LlamaConfig, state_dtype: str = "float32") -> optax.GradientTransformation:
     """One of `OPTIMIZERS` for `abstract_params(cfg)`: `modular.make_optimizer`'s, per layer on the stack.
 
-    ``gwt-L`` is GWT-AdamW at level L on the attention and MLP matrices;
-    ``galore`` has the largest rank whose state is at most GWT-2's.
+    ``gwt-L`` is GWT-AdamW at level L on the attention and MLP matrices, ``foam-L``
+    FOAM-AdamW at fold level L; ``galore`` has the largest rank whose state is at most GWT-2's.
     """
     kind, _, level = name.partition("-")
     if name not in OPTIMIZERS:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from optax_gwt import plan as plan_lib
 
-__all__ = ["COLUMNS", "row", "table", "markdown", "to_json", "plot", "replot"]
+__all__ = ["COLUMNS", "row", "with_state_saved", "table", "markdown", "to_json", "plot", "replot"]
 
 GIB = 2**30
 
@@ -16,10 +16,11 @@ GIB = 2**30
 COLUMNS = (
     ("config", "model", "{}"),
     ("optimizer", "optimizer", "{}"),
-    ("batch", "micro-batch/dev", "{}"),
+    ("batch_text", "micro-batch/dev", "{}"),
     ("params_gib", "params", "{:.2f}"),
     ("grads_gib", "grads", "{:.2f}"),
     ("state_gib", "opt state", "{:.2f}"),
+    ("state_saved_gib", "state saved", "{:.2f}"),
     ("temps_gib", "temps", "{:.2f}"),
     ("total_gib", "total", "{:.2f}"),
     ("total_b1_gib", "total @1", "{:.2f}"),
@@ -51,11 +52,14 @@ def row(
         "optimizer": optimizer,
         "n_params": n_params,
         "batch": plan.batch,
+        # 0: even micro-batch 1 exceeds the budget (or the chip's compiler refused it)
+        "batch_text": str(plan.batch) if plan.batch else "does not fit",
         "global_batch": plan.batch * batch_devices,
         **{f"{k}_gib": getattr(m, k) / GIB for k in ("params", "grads", "total")},
         "state_gib": m.opt_state / GIB,
         "temps_gib": m.temporaries / GIB,
-        "total_b1_gib": plan.probes[1] / GIB,
+        # micro-batch 1 refused by the chip's compiler: the size it needed (`plan.refused_memory`)
+        "total_b1_gib": (m.total if math.isinf(plan.probes[1]) else plan.probes[1]) / GIB,
         "tflops": plan.cost.flops / 1e12,
         "gbytes": plan.cost.bytes / 1e9,
         "update_tflops": plan.update_cost.flops / 1e12,
@@ -71,8 +75,16 @@ def row(
     }
 
 
+def with_state_saved(rows: Sequence[dict]) -> list[dict]:
+    """`rows` with ``state_saved_gib``: AdamW's optimizer state minus each row's, per config
+    (NaN where AdamW was not planned)."""
+    adamw = {r["config"]: r["state_gib"] for r in rows if r["optimizer"] == "adamw"}
+    return [{**r, "state_saved_gib": adamw.get(r["config"], math.nan) - r["state_gib"]} for r in rows]
+
+
 def _cells(r: dict) -> list[str]:
-    return [fmt.format(r[key]) for key, _, fmt in COLUMNS]
+    saved_before = {"batch_text": r.get("batch"), "state_saved_gib": float("nan")}  # rows of older reports
+    return [fmt.format(r[key] if key in r else saved_before[key]) for key, _, fmt in COLUMNS]
 
 
 def table(rows: Sequence[dict]) -> str:
