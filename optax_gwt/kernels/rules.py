@@ -177,7 +177,7 @@ class Rule:
 
 
 #: Where `xla_chips` and `pallas_tpu` were measured (compiled for the chip without it).
-_DEVICELESS = "`python -m benchmarks.target_compile` (docs/performance.md)"
+_DEVICELESS = "compiled for the chip, deviceless (`benchmarks.target_compile`)"
 #: The most float32 entries whose level-2 block means XLA for an H100 fuses into the pass (see the row).
 GPU_MEANS_FROM_G_MAX = 7 * 2**18
 #: The fewest entries of a matrix that takes the Pallas update (see the row).
@@ -293,7 +293,7 @@ RULES: tuple[Rule, ...] = (
         "the approximation's square as the second moment, one device in the process, a C++ compiler",
         formulation="cpu_ffi:moments",
         saves="the moments and the limiter's norm in one read of the gradient (XLA: three passes)",
-        measured="`python -m benchmarks.optimizer_step` (docs/performance.md)",
+        measured="timed on a CPU (`benchmarks.optimizer_step`)",
     ),  # fmt: skip
     Rule(
         "cpu-one-limiter-vector",
@@ -303,7 +303,7 @@ RULES: tuple[Rule, ...] = (
         condition="always",
         formulation="xla_chips:one_limiter_vector",
         saves="all the arrays' norms and factors as one vector: a few ops instead of a few per array",
-        measured="`python -m benchmarks.optimizer_step` (docs/performance.md)",
+        measured="timed on a CPU (`benchmarks.optimizer_step`)",
     ),  # fmt: skip
 )
 
@@ -386,13 +386,12 @@ def recording() -> Iterator[list[str]]:
 
 
 def markdown_table() -> str:
-    """The table as Markdown (``docs/fast_paths.md``)."""
-    lines = [
-        "| row | op (plain formulation) | platform | program | chosen when | what it saves | measured by |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    """The table as Markdown (``docs/fast_paths.md``): when each row is chosen, then what it replaces
+    and saves."""
+    lines = ["| row | platform, program | chosen when |", "|---|---|---|"]
     for r in RULES:
         option = f" (`FastPath.{r.option}`)" if r.option else ""
-        cells = (f"`{r.name}`", OPS[r.op], r.platform, r.partitioning, r.condition + option, r.saves, r.measured)
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(f"| `{r.name}` | {r.platform}, {r.partitioning} | {r.condition}{option} |")
+    lines += ["", "| row | replaces | what it saves | measured by |", "|---|---|---|---|"]
+    lines += [f"| `{r.name}` | {OPS[r.op]} | {r.saves} | {r.measured} |" for r in RULES]
     return "\n".join(lines) + "\n"
