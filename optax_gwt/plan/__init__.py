@@ -282,22 +282,23 @@ _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def refused_memory(error: Exception, state: Any, batch: Any, *, params: Any) -> StepMemory:
-    """The `StepMemory` of a step the chip's compiler refused for memory: params, state and batch
-    from their shapes, the temporaries from the compiler's message ("HLO temporaries (20.62G)";
-    0 where it names none), ``refused`` set.
+    """The `StepMemory` of a step the chip's compiler refused for memory, ``refused`` set: params,
+    state and batch from their shapes, the total from the compiler's message ("the total memory
+    required for HLO temporaries (20.62G)", which counts the arguments too; their sum where it
+    names none), the temporaries the rest.
 
     Example:
       >>> import jax, jax.numpy as jnp
       >>> p = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
       >>> error = RuntimeError("RESOURCE_EXHAUSTED: ... memory required for HLO temporaries (1.50G) exceeds ...")
       >>> m = refused_memory(error, p, jax.ShapeDtypeStruct((8, 1024), jnp.float32), params=p)
-      >>> m.refused, m.temporaries / 2**30, round(m.total / 2**30, 3)
-      (True, 1.5, 1.508)
+      >>> m.refused, m.total / 2**30, round(m.temporaries / 2**30, 3)
+      (True, 1.5, 1.492)
     """
     found = re.search(r"temporaries \(([\d.]+)\s*([KMGT]?)i?B?\)", str(error))
-    temps = int(float(found[1]) * _UNITS[found[2]]) if found else 0
     p, s, b = shard_bytes(params), shard_bytes(state), shard_bytes(batch)
-    return StepMemory(p, p, s, b, temps, 0, p + s + b + temps, refused=True)
+    total = max(int(float(found[1]) * _UNITS[found[2]]) if found else 0, p + s + b)
+    return StepMemory(p, p, s, b, total - p - s - b, 0, total, refused=True)
 
 
 def plan_step(
@@ -361,12 +362,22 @@ def plan_step(
             raise
         memory = refused_memory(e, abstract_state(optimizer, params), batch_at(b), params=params)
         compiled = None
-    update_cost = compiled_cost(compile_update(optimizer, params))
+    update_cost = _update_cost(optimizer, params)
     if grad_cost is not None:
         cost = Cost(*(g + u for g, u in zip(grad_cost(b), update_cost, strict=True)))
     else:
         cost = compiled_cost(compiled) if compiled is not None else Cost(float("nan"), float("nan"))
     return StepPlan(batch, memory, cost, update_cost, probes, time.perf_counter() - start)
+
+
+def _update_cost(optimizer: optax.GradientTransformation, params: Any) -> Cost:
+    """The cost of the update alone; NaN where the chip's compiler refuses even that for memory."""
+    try:
+        return compiled_cost(compile_update(optimizer, params))
+    except jax.errors.JaxRuntimeError as e:
+        if not _refused_for_memory(e):
+            raise
+        return Cost(float("nan"), float("nan"))
 
 
 def linear_extrapolation(cost_of: Callable[[int], Cost], n: int) -> Cost:
