@@ -57,7 +57,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--remat", action=argparse.BooleanOptionalAction, default=True, help="recompute each layer in the backward"
     )
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--optimizers", nargs="+", default=None, help="default: all of optax_gwt.plan.llama.OPTIMIZERS")
+    p.add_argument(
+        "--optimizers",
+        nargs="+",
+        default=None,
+        help="default: optax_gwt.plan.llama.OPTIMIZERS; also foam-1 to foam-4 (PLANNABLE)",
+    )
     p.add_argument("--max-batch", type=int, default=4096)
     p.add_argument("--out", default=None, help="write OUT.md, OUT.json, OUT.png")
     return p.parse_args(argv)

@@ -51,6 +51,7 @@ with requires("plan", "optax_gwt.plan.llama"):
 __all__ = [
     "AXES",
     "OPTIMIZERS",
+    "PLANNABLE",
     "Precision",
     "abstract_params",
     "batch_at",
@@ -66,8 +67,10 @@ __all__ = [
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
-#: The optimizers the planner compares (GaLore's rank matches GWT-2's state).
-OPTIMIZERS = ("adamw", "gwt-1", "gwt-2", "gwt-3", "foam-2", "foam-3", "galore", "adafactor")
+#: The optimizers the planner compares by default (GaLore's rank matches GWT-2's state).
+OPTIMIZERS = ("adamw", "gwt-1", "gwt-2", "gwt-3", "galore", "adafactor")
+#: Every optimizer it can plan: the defaults and FOAM at fold levels 1-4 (``--optimizers foam-2``).
+PLANNABLE = (*OPTIMIZERS, "foam-1", "foam-2", "foam-3", "foam-4")
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
 _ROW = ("o_proj", "down_proj")
 
@@ -218,14 +221,14 @@ def state_in(dtype: str, tx: optax.GradientTransformation) -> optax.GradientTran
 
 
 def make_optimizer(name: str, cfg: LlamaConfig, state_dtype: str = "float32") -> optax.GradientTransformation:
-    """One of `OPTIMIZERS` for `abstract_params(cfg)`: `modular.make_optimizer`'s, per layer on the stack.
+    """One of `PLANNABLE` for `abstract_params(cfg)`: `modular.make_optimizer`'s, per layer on the stack.
 
     ``gwt-L`` is GWT-AdamW at level L on the attention and MLP matrices, ``foam-L``
     FOAM-AdamW at fold level L; ``galore`` has the largest rank whose state is at most GWT-2's.
     """
     kind, _, level = name.partition("-")
-    if name not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
+    if name not in PLANNABLE:
+        raise ValueError(f"unknown optimizer {name!r}; choose from {PLANNABLE}")
     block = _modules(cfg)[1][1]
     steps, at_level = 10_000, int(level or 2)
     rank = modular.galore_rank_matching(block, at_level) if kind == "galore" else None
