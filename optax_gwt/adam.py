@@ -227,7 +227,8 @@ def scale_by_reference_adam(
         Arrays that are not transformed get ``g^2`` either way.
       fast_path: the rows of op ``"moments"`` (and ``"block_sums"``) it may take as GWT's
         base (`optax_gwt.kernels`); ``FastPath(cpu_kernel=True)`` computes the moments of a
-        Haar approximation from its full gradient with a compiled CPU kernel.
+        Haar approximation from its full gradient with a compiled CPU kernel. In a chain
+        built by hand, give it the `WaveletProjection`'s (the builders do).
 
     Returns:
       A `GWTBase` (an Optax transformation that states its `Preconditioner`).

@@ -67,6 +67,9 @@ class LeafSpec:
     batch_axes: int = 0
     fast_path: FastPath = FastPath()
 
+    def __post_init__(self):
+        object.__setattr__(self, "fast_path", FastPath.of(self.fast_path))
+
     @property
     def length(self) -> int:
         return self.shape[self.axis]

@@ -348,8 +348,8 @@ def limit_norm_growth(
     first step), ``N <- N / lam`` and ``r_prev <- r / lam``: the step's norm
     grows by at most a factor `gamma` per step. The details are divided by
     ``lam`` too (`wavelet_inverse` reads it from the node). The scalar math
-    of all arrays runs on one stacked vector on a CPU, per array on GPUs and
-    TPUs (see `_limit_factors`).
+    runs per array (with ``fast_path="auto"``, as one vector of all the arrays'
+    scalars on a CPU: op ``"limiter"`` of `optax_gwt.kernels`).
 
     With ``delayed=True`` (not the paper's: an option) the same factors are
     computed, but each step is divided by the previous step's ``lam`` (1 on

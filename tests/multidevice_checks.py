@@ -388,16 +388,16 @@ def test_eager_init_state_follows_the_params(make):
 
 
 @pytest.mark.parametrize("shape,spec,block", [((512, 1024), P("data", "model"), 2), ((512, 1024), P(None, "model"), 4)])
-def test_tpu_kernel_runs_per_device_only(shape, spec, block, monkeypatch):
+def test_pallas_kernel_runs_per_device_only(shape, spec, block, monkeypatch):
     """optax_gwt.kernels.pallas_tpu (in Pallas's interpreter) on a mesh: a program XLA partitions takes
     the XLA path (a custom call's operands would be gathered); the body of a `jax.shard_map`
     runs the kernel on each device's shard. Both give the one-device update."""
     from optax_gwt import haar
-    from optax_gwt.kernels import pallas_tpu as tpu_kernel
+    from optax_gwt.kernels import pallas_tpu
 
     lowered = []
-    pallas_update = tpu_kernel._pallas_update
-    monkeypatch.setattr(tpu_kernel, "_pallas_update", lambda *a, **k: lowered.append(1) or pallas_update(*a, **k))
+    pallas_update = pallas_tpu._pallas_update
+    monkeypatch.setattr(pallas_tpu, "_pallas_update", lambda *a, **k: lowered.append(1) or pallas_update(*a, **k))
     mesh = mesh_of({"data": 2, "model": 4})
     rng = np.random.default_rng(0)
     g = jnp.asarray(rng.normal(size=shape), jnp.float32)
@@ -405,7 +405,7 @@ def test_tpu_kernel_runs_per_device_only(shape, spec, block, monkeypatch):
     scalars = jnp.asarray([1e-8, 1.3, 0.7, 0.0, 0.25], jnp.float32)
 
     def update(g, approx, mu, nu, scalars):
-        return tpu_kernel.haar_adam_update(
+        return pallas_tpu.haar_adam_update(
             g, approx, mu, nu, scalars, block=block, residual=False, compute=jnp.float32, out=jnp.float32,
             fallback=haar.update_from_scalars, interpret=True, fast_path=optax_gwt.FastPath(),
         )  # fmt: skip
@@ -438,7 +438,7 @@ def test_one_device_or_takes_partitioned_in_an_spmd_program():
 @pytest.mark.parametrize("spec", [P(None, None, "fsdp"), P()], ids=["sharded", "replicated"])
 def test_stacked_update_as_a_tpu_partitions_it(spec):
     """Stacked matrices (``batch_axes=1``) split over 8 devices, with the formulations a TPU
-    program takes (``FastPath(platform="tpu")``; rows ``tpu-repeat-partitioned`` in a partitioned
+    program takes (``FastPath(emulate="tpu")``; rows ``tpu-repeat-partitioned`` in a partitioned
     program, ``tpu-repeat-one-device`` on one device), run here: the steps equal one device's to
     float32 rounding."""
     mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
@@ -446,9 +446,7 @@ def test_stacked_update_as_a_tpu_partitions_it(spec):
     shape = (3, 64, 128)
     params = {"w": jnp.asarray(rng.standard_normal(shape), jnp.float32)}
     grads = [{"w": jnp.asarray(rng.standard_normal(shape), jnp.float32)} for _ in range(3)]
-    tx = optax_gwt.gwt_adamw(
-        1e-2, level=2, weight_decay=0.1, batch_axes=1, fast_path=optax_gwt.FastPath(platform="tpu")
-    )
+    tx = optax_gwt.gwt_adamw(1e-2, level=2, weight_decay=0.1, batch_axes=1, fast_path=optax_gwt.FastPath(emulate="tpu"))
 
     def run(put):
         p = put(params)

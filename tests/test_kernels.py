@@ -4,7 +4,7 @@ Each row of `RULES` has a case here that takes it: jitted `gwt_adamw` steps (or 
 whose trajectory must equal the NumPy reference of the authors' optimizer (`reference.py`),
 to float64 rounding or, for the rows that need float32 arrays, within the float32 bound of
 `test_transform`. CPU rows run through `jax.lax.platform_dependent` as a CPU program lowers
-it; other platforms' rows run here with ``FastPath(platform=...)`` (Pallas in its
+it; other platforms' rows run here with ``FastPath(emulate=...)`` (Pallas in its
 interpreter). The row for programs that XLA partitions runs on 8 devices
 (`multidevice_checks.test_partitioned_rows_equal_the_reference`). The table in the docs is
 the table in the code.
@@ -38,7 +38,7 @@ class RowCase(NamedTuple):
     batch_axes: int = 0
 
 
-TPU, CUDA, ROCM = (FastPath(platform=p) for p in ("tpu", "cuda", "rocm"))
+TPU, CUDA, ROCM = (FastPath(emulate=p) for p in ("tpu", "cuda", "rocm"))
 CASES = {
     "tpu-block-sums": RowCase({"w": (64, 8), "bias": (7,)}, fast_path=TPU),
     "tpu-repeat-one-device": RowCase({"w": (32, 128)}, fast_path=TPU),
@@ -162,3 +162,29 @@ def test_the_default_update_is_differentiable_and_has_no_custom_call(build):
         np.testing.assert_allclose(float(along), float(numeric), rtol=1e-5)
         text = jax.jit(tx.update).lower(g0, state, params).compile().as_text()
     assert "custom-call" not in text
+
+
+@pytest.mark.parametrize("fast_path", ["auto", TPU, CUDA], ids=["auto", "tpu", "cuda"])
+def test_derivatives_through_the_rows_equal_the_plain_ones(fast_path, x64):
+    """float32 matrices of 128 lanes at level 2, where the means and repeat rows apply: jitted
+    `jax.grad` and `jax.jvp` through `update` equal the plain formulation's in float64, as closely
+    as the plain formulation's own in float32 do (the update divides by small denominators)."""
+    rng = np.random.default_rng(3)
+    arrays = [rng.normal(size=(16, 128)) for _ in range(3)]
+    got = {}
+    for fp, dtype in ((fast_path, jnp.float32), ("xla", jnp.float32), ("xla", jnp.float64)):
+        params, g0, direction = ({"w": jnp.asarray(a, dtype)} for a in arrays)
+        tx = optax_gwt.gwt_adamw(1e-2, weight_decay=0.1, level=2, fast_path=fp)
+        _, state = tx.update(g0, tx.init(params), params)
+
+        def loss(g, tx=tx, state=state, params=params):
+            return jnp.sum(jnp.sin(tx.update(g, state, params)[0]["w"]))
+
+        with recording() as taken:
+            grad = jax.jit(jax.grad(loss))(g0)["w"]
+            slope = jax.jit(lambda g, t, loss=loss: jax.jvp(loss, (g,), (t,))[1])(g0, direction)
+        got[fp, dtype] = np.asarray(grad, np.float64), float(slope), taken
+    (grad, slope, taken), (plain_grad, plain_slope, _), (want, want_slope, _) = got.values()
+    assert any("means-from-gradient" in name for name in taken), taken
+    assert np.abs(grad - want).max() <= 2 * np.abs(plain_grad - want).max() + 1e-6 * np.abs(want).max()
+    assert abs(slope - want_slope) <= 2 * abs(plain_slope - want_slope) + 1e-6 * abs(want_slope)

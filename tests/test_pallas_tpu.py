@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from optax_gwt import haar
-from optax_gwt.kernels import Case, FastPath, pallas_tpu as tpu_kernel, rules, select
+from optax_gwt.kernels import Case, FastPath, pallas_tpu, rules, select
 
 SCALE = 0.25
 
@@ -34,7 +34,7 @@ def _kernel(g, approx, mu, nu, block, residual, interpret=True):
     scalars = jnp.asarray(
         [f["eps"], f["approx_factor"], f["detail_factor"], residual or 0.0, SCALE], jnp.float32
     )  # fmt: skip
-    return tpu_kernel.haar_adam_update(
+    return pallas_tpu.haar_adam_update(
         g, approx, mu, nu, scalars, block=block, residual=residual is not None, compute=jnp.float32,
         out=g.dtype, fallback=haar.update_from_scalars, interpret=interpret, fast_path=FastPath(),
     )  # fmt: skip
@@ -123,9 +123,9 @@ def test_row_takes_matrices_along_their_rows(shape, block, axis, fits):
 
 
 def test_tiles_are_whole_blocks_of_tpu_tiles():
-    assert tpu_kernel.tile_rows(4096, 2, 4) == tpu_kernel.MAX_ROWS
-    assert tpu_kernel.tile_rows(48, 4, 4) == 64  # one tile, past the array's end
-    assert tpu_kernel.tile_rows(11008, 4, 2) % 64 == 0  # 16-bit per-block tiles: 16 rows
+    assert pallas_tpu.tile_rows(4096, 2, 4) == pallas_tpu.MAX_ROWS
+    assert pallas_tpu.tile_rows(48, 4, 4) == 64  # one tile, past the array's end
+    assert pallas_tpu.tile_rows(11008, 4, 2) % 64 == 0  # 16-bit per-block tiles: 16 rows
 
 
 @pytest.mark.parametrize(

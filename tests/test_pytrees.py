@@ -135,7 +135,7 @@ def test_limiter_scalars_are_plain_arrays_for_wrapped_params():
 def test_stacked_matrices_equal_the_matrices_one_by_one(detail_rule, platform):
     """A (layers, in, out) weight with batch_axes=1: each layer's steps are those of the same
     matrix optimized alone (the limiter's norm per matrix, the transform along `in`), to float64
-    rounding; also as a TPU program computes them (``FastPath(platform="tpu")``, run here)."""
+    rounding; also as a TPU program computes them (``FastPath(emulate="tpu")``, run here)."""
     rng = np.random.default_rng(0)
     layers = 3
     stacked = {"w": jnp.asarray(rng.standard_normal((layers, 16, 128))), "b": jnp.zeros(6)}  # 128: a TPU's lanes
@@ -144,7 +144,7 @@ def test_stacked_matrices_equal_the_matrices_one_by_one(detail_rule, platform):
          "b": jnp.asarray(rng.standard_normal(6))}
         for _ in range(5)
     ]  # fmt: skip
-    kw = dict(level=2, weight_decay=0.1, detail_rule=detail_rule, fast_path=optax_gwt.FastPath(platform=platform))
+    kw = dict(level=2, weight_decay=0.1, detail_rule=detail_rule, fast_path=optax_gwt.FastPath(emulate=platform))
     tx = optax_gwt.gwt_adamw(1e-2, batch_axes=1, **kw)
     got = _steps(tx, stacked, lambda i: grads[i], n=5)[-1]
     state = tx.init(stacked)
@@ -169,7 +169,7 @@ def test_vmapped_over_layers_equals_the_matrices_one_by_one(platform):
     layers = 3
     stacked = {"w": jnp.asarray(rng.standard_normal((layers, 16, 128)), jnp.float32)}  # 128: a TPU's lanes
     grads = [{"w": jnp.asarray(rng.standard_normal((layers, 16, 128)), jnp.float32)} for _ in range(4)]
-    tx = optax_gwt.gwt_adamw(1e-2, level=2, weight_decay=0.1, fast_path=optax_gwt.FastPath(platform=platform))
+    tx = optax_gwt.gwt_adamw(1e-2, level=2, weight_decay=0.1, fast_path=optax_gwt.FastPath(emulate=platform))
     vmapped = optax.GradientTransformation(jax.vmap(tx.init), jax.vmap(tx.update))
     got = _steps(vmapped, stacked, lambda i: grads[i], n=4)[-1]
     for layer in range(layers):

@@ -185,7 +185,7 @@ def test_what_a_gpu_or_tpu_compiles_equals_reference(platform, dtype, level):
     that it does not (a short last block), rows of 128 lanes (row ``tpu-repeat-one-device``).
     (Stacked matrices: `test_pytrees`; each row: `test_kernels`.)"""
     shapes = {"w": (37, 6), "v": (16, 5), "sq": (64, 8), "lanes": (32, 128), "bias": (7,)}
-    fast_path = optax_gwt.FastPath(platform=platform)
+    fast_path = optax_gwt.FastPath(emulate=platform)
     opt = optax_gwt.gwt_adamw(1e-2, weight_decay=0.1, level=level, fast_path=fast_path)
     got, want, _ = _run_both(opt, ReferenceGWTAdamW(lr=1e-2, weight_decay=0.1, level=level), shapes, 5, dtype=dtype)
     start, _ = _problem(shapes)

@@ -121,7 +121,7 @@ def haar_adam_moments(
       ``(m, v, sq)``: the new moments and a scalar, all in `g`'s dtype.
     """
     if not available():
-        raise RuntimeError("optax_gwt.cpu_kernel is not available (see its module docstring); use the XLA path")
+        raise RuntimeError("optax_gwt.kernels.cpu_ffi is not available (see its module docstring); use the XLA path")
     dtype = jnp.dtype(g.dtype)
     if dtype not in _TARGETS or {jnp.dtype(mu.dtype), jnp.dtype(nu.dtype)} != {dtype}:
         raise TypeError(
@@ -145,10 +145,11 @@ def haar_adam_moments(
     return m, v, sq
 
 
-def moments(case: Case, plain):
+def moments(case: Case, plain, fast_path):
     """Row ``cpu-ffi-moments``: ``f(g, m, v, signal, b1, b2, eps)`` of `optax_gwt.adam`'s moments,
-    or `plain` itself where the kernel could not be built."""
-    if not available():
+    or `plain` itself where the CPU is not JAX's backend (nothing is built on a GPU or TPU host)
+    or the kernel could not be built."""
+    if jax.default_backend() != "cpu" or not available():
         return plain
 
     def f(g, m, v, signal, b1, b2, eps):

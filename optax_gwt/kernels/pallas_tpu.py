@@ -21,7 +21,7 @@ where the program runs as written on each device (one device, or the body of a
 `jax.shard_map` manual over all its mesh axes), and its tiling fits; a program that
 XLA partitions over a mesh, a batch under `jax.vmap` and derivatives take the same
 update by XLA (`haar.update_from_scalars`, its ``fallback``). On other backends the
-kernel runs in Pallas's interpreter (``interpret=True``, `FastPath.platform` ``"tpu"``),
+kernel runs in Pallas's interpreter (``interpret=True``, ``FastPath(emulate="tpu")``),
 which is how the tests compare it with the XLA path on the CPU.
 
 The update is written in full size once (XLA cannot fuse a custom call with the
@@ -194,7 +194,7 @@ def haar_adam_update(
     )  # fmt: skip
 
 
-def update(case: Case, plain: Any) -> Any:
+def update(case: Case, plain: Any, fast_path: Any) -> Any:
     """Row ``tpu-pallas-update``: ``f(g, approx, mu, nu, factors, options)``, `haar.adam_update`'s
     arrays, its scalars ``(eps, approx_factor, detail_factor, rho, scale)`` and the options of
     `haar_adam_update`; ``f.emulated`` runs the kernel in Pallas's interpreter."""

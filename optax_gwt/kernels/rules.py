@@ -61,14 +61,14 @@ class FastPath:
         compiles with the system's compiler on first use, and its derivatives are not
         defined; `optax_gwt.kernels.cpu_ffi`).
       pallas: the Pallas kernel for the full-size update on a TPU where its row applies.
-      platform: None (default): each platform lowers its own rows. A platform name
+      emulate: None (default): each platform lowers its own rows. A platform name
         (``"tpu"``, ``"cuda"``, ...): that platform's rows on whatever backend lowers
         the program (Pallas kernels in its interpreter), to check a chip's numerics on
         a CPU.
 
     Example:
       >>> import jax.numpy as jnp, optax_gwt
-      >>> as_a_tpu = optax_gwt.FastPath(platform="tpu")  # a TPU's formulations, run here
+      >>> as_a_tpu = optax_gwt.FastPath(emulate="tpu")  # a TPU's formulations, run here
       >>> tx = optax_gwt.gwt_adamw(1e-3, fast_path=as_a_tpu)
       >>> params = {"w": jnp.ones((256, 128))}
       >>> u, _ = tx.update(params, tx.init(params), params)
@@ -79,11 +79,11 @@ class FastPath:
     enabled: bool = True
     cpu_kernel: bool = False
     pallas: bool = True
-    platform: str | None = None
+    emulate: str | None = None
 
     def __post_init__(self):
-        if self.platform is not None and self.platform not in PLATFORMS:
-            raise ValueError(f"FastPath.platform must be None or one of {PLATFORMS}, got {self.platform!r}")
+        if self.emulate is not None and self.emulate not in PLATFORMS:
+            raise ValueError(f"FastPath.emulate must be None or one of {PLATFORMS}, got {self.emulate!r}")
 
     @classmethod
     def of(cls, value: str | FastPath) -> FastPath:
@@ -148,8 +148,8 @@ class Rule:
       name: the row's name (as the docs and the tests call it).
       op, platform: what it computes, on which platform.
       when: its condition on the `Case`; condition: the same in words.
-      formulation: ``"module:function"`` in `optax_gwt.kernels`: ``function(case, plain)``
-        returns the op's function (same arguments as ``plain``).
+      formulation: ``"module:function"`` in `optax_gwt.kernels`: ``function(case, plain,
+        fast_path)`` returns the op's function (same arguments as ``plain``).
       saves: what it saves against the plain formulation, in words; measured: the command
         that measured it.
       partitioning: ``"any"``; ``"one device"``: where the program runs as written on
@@ -171,9 +171,9 @@ class Rule:
     def __post_init__(self):
         assert self.op in OPS and self.platform in PLATFORMS and self.partitioning in _PARTITIONINGS, self
 
-    def build(self, case: Case, plain: Callable) -> Callable:
+    def build(self, case: Case, plain: Callable, fast_path: FastPath) -> Callable:
         module, function = self.formulation.split(":")
-        return getattr(importlib.import_module(f"optax_gwt.kernels.{module}"), function)(case, plain)
+        return getattr(importlib.import_module(f"optax_gwt.kernels.{module}"), function)(case, plain, fast_path)
 
 
 #: Where `xla_chips` and `pallas_tpu` were measured (compiled for the chip without it).
@@ -332,30 +332,31 @@ def select(case: Case, platform: str, fast_path: str | FastPath = "auto") -> tup
 
 def switch(case: Case, fast_path: str | FastPath, plain: Callable, *args: Any) -> Any:
     """``plain(*args)``, or the rows `select` gives for `case` on the platform the program is lowered
-    for (with `FastPath.platform`, on any backend)."""
+    for (with `FastPath.emulate`, that platform's on any backend)."""
     fp = FastPath.of(fast_path)
     branches = {}
-    for platform in PLATFORMS if fp.platform is None else (fp.platform,):
+    for platform in PLATFORMS if fp.emulate is None else (fp.emulate,):
         one, partitioned = select(case, platform, fp)
+        rows = [r.name for r in dict.fromkeys((one, partitioned)) if r is not None]
         log = _taken.get()
         if log is not None:
-            log += [r.name for r in {one, partitioned} if r is not None]
-        if one is not None or partitioned is not None:
-            branches[platform] = _per_partitioning(case, plain, one, partitioned, fp.platform is not None)
-    if fp.platform is not None:
-        return branches.get(fp.platform, plain)(*args)
+            log += rows
+        if rows:
+            branches[platform] = _per_partitioning(case, plain, one, partitioned, fp)
+    if fp.emulate is not None:
+        return branches.get(fp.emulate, plain)(*args)
     if not branches:
         return plain(*args)
     thunks = {p: functools.partial(f, *args) for p, f in branches.items()}
     return jax.lax.platform_dependent(default=functools.partial(plain, *args), **thunks)
 
 
-def _per_partitioning(case: Case, plain: Callable, one: Rule | None, part: Rule | None, emulated: bool) -> Callable:
+def _per_partitioning(case: Case, plain: Callable, one: Rule | None, part: Rule | None, fp: FastPath) -> Callable:
     def build(rule: Rule | None) -> Callable:
         if rule is None:
             return plain
-        fun = rule.build(case, plain)
-        return getattr(fun, "emulated", fun) if emulated else fun
+        fun = rule.build(case, plain, fp)
+        return getattr(fun, "emulated", fun) if fp.emulate is not None else fun
 
     if one is part:
         return build(one)
@@ -366,7 +367,9 @@ def _per_partitioning(case: Case, plain: Callable, one: Rule | None, part: Rule 
 
 @contextlib.contextmanager
 def recording() -> Iterator[list[str]]:
-    """Collects the names of the rows chosen while tracing inside the block (for any platform).
+    """Collects the names of the rows selected while tracing inside the block, for every platform
+    the program may be lowered for (a program taken from JAX's cache is not traced again; a kernel
+    that cannot be built, or whose lowering falls back, still counts as selected).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax_gwt

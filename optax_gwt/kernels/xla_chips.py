@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_gwt.kernels.rules import Case
+from optax_gwt.kernels.rules import Case, FastPath
 
 __all__ = ["TPU_CHUNK", "TPU_REPEAT_CHUNK", "chunked_block_sums", "chunked_repeat"]
 
@@ -71,22 +71,22 @@ def _block_ones(chunk: int, block: int, dtype: Any) -> jax.Array:
     return jnp.asarray(np.arange(chunk)[None, :] // block == np.arange(chunk // block)[:, None], dtype)
 
 
-def block_sums_by_contraction(case: Case, plain: Callable) -> Callable:
+def block_sums_by_contraction(case: Case, plain: Callable, fast_path: FastPath) -> Callable:
     """Row ``tpu-block-sums``: ``f(x)``."""
     return functools.partial(chunked_block_sums, axis=case.axis, block=case.block)
 
 
-def repeat_in_runs_of_32(case: Case, plain: Callable) -> Callable:
+def repeat_in_runs_of_32(case: Case, plain: Callable, fast_path: FastPath) -> Callable:
     """Row ``tpu-repeat-one-device``: ``f(x)``."""
     return functools.partial(chunked_repeat, axis=case.axis, block=case.block)
 
 
-def repeat_in_runs_of_128(case: Case, plain: Callable) -> Callable:
+def repeat_in_runs_of_128(case: Case, plain: Callable, fast_path: FastPath) -> Callable:
     """Row ``tpu-repeat-partitioned``: ``f(x)``."""
     return functools.partial(chunked_repeat, axis=case.axis, block=case.block, max_chunk=TPU_CHUNK)
 
 
-def means_from_gradient(case: Case, plain: Callable) -> Callable:
+def means_from_gradient(case: Case, plain: Callable, fast_path: FastPath) -> Callable:
     """Rows ``*-means-from-gradient``: ``f(g, means)``, the block means of `g` computed from `g`
     alone where `g` is one matrix, and the ``means`` given (the same values, from the
     approximation) where `g` is a batch of matrices under `jax.vmap` (the planner's
@@ -99,7 +99,7 @@ def means_from_gradient(case: Case, plain: Callable) -> Callable:
 
     @jax.custom_batching.custom_vmap
     def means(g, given):
-        return block_means(g, axis, block)
+        return block_means(g, axis, block, fast_path)
 
     @means.def_vmap
     def batched(axis_size, in_batched, g, given):
@@ -110,13 +110,13 @@ def means_from_gradient(case: Case, plain: Callable) -> Callable:
         return means(g, given)
 
     @f.defjvp
-    def tangents(primals, dots):  # linear in g: its own derivative
-        return f(*primals), block_means(dots[0], axis, block)
+    def tangents(primals, dots):  # linear in g: its own derivative, plain (reverse mode transposes it)
+        return f(*primals), block_means(dots[0], axis, block, "xla")
 
     return f
 
 
-def one_limiter_vector(case: Case, plain: Callable) -> Callable:
+def one_limiter_vector(case: Case, plain: Callable, fast_path: FastPath) -> Callable:
     """Row ``cpu-one-limiter-vector``: ``f(nodes, r_prev, count, gamma)``, the limiter's
     `stages.limit_vector` on every array's scalars at once (the plain formulation: per array)."""
     from optax_gwt.stages import limit_vector

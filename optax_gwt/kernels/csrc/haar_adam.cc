@@ -1,5 +1,5 @@
 // The first pass of Haar GWT with the built-in Adam, as an XLA FFI custom call
-// for the CPU (see optax_gwt/cpu_kernel.py, which compiles and registers it).
+// for the CPU (see optax_gwt/kernels/cpu_ffi.py, which compiles and registers it).
 //
 // G is viewed as (outer, n, inner) and cut along n into blocks of B rows (the
 // last one may be short: zero padding). For each block row r of the
