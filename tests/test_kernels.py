@@ -34,7 +34,7 @@ class RowCase(NamedTuple):
     dtype: type = np.float64
     fast_path: FastPath | str = "auto"
     foam: bool = False
-    steps: int = 5
+    steps: int = 3
     batch_axes: int = 0
 
 
@@ -164,7 +164,7 @@ def test_the_default_update_is_differentiable_and_has_no_custom_call(build):
     assert "custom-call" not in text
 
 
-@pytest.mark.parametrize("fast_path", ["auto", TPU, CUDA], ids=["auto", "tpu", "cuda"])
+@pytest.mark.parametrize("fast_path", ["auto", TPU], ids=["auto", "tpu"])
 def test_derivatives_through_the_rows_equal_the_plain_ones(fast_path, x64):
     """float32 matrices of 128 lanes at level 2, where the means and repeat rows apply: jitted
     `jax.grad` and `jax.jvp` through `update` equal the plain formulation's in float64, as closely
