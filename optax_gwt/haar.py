@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from optax_gwt.kernels.rules import Case, FastPath, switch
 from optax_gwt.sharding import _explicit_sharding
 
-__all__ = ["block_sums", "repeat_blocks", "block_means", "adam_update", "scaled"]
+__all__ = ["block_sums", "repeat_blocks", "block_means", "adam_update", "update_from_factors", "scaled"]
 
 
 def block_sums(x: jax.Array, axis: int, block: int, fast_path: str | FastPath = "auto") -> jax.Array:
@@ -152,7 +152,7 @@ def adam_update(
     stored = g if storage_dtype is None else g.astype(storage_dtype)  # XLA drops the round trip
     wide = any(jnp.dtype(a.dtype).itemsize > 4 for a in (g, approx, mu, nu, *factors) if hasattr(a, "dtype"))
     case = Case("update", g.shape, g.dtype, axis, block, state_dtype=mu.dtype, wide=wide, per_block_shape=mu.shape)
-    options = dict(block=block, residual=residual is not None, compute=g.dtype, out=out_dtype, fast_path=fp)
+    options = dict(axis=axis, block=block, residual=residual is not None, compute=g.dtype, out=out_dtype, fast_path=fp)
 
     def xla(*_):
         u = _xla_update(
@@ -164,15 +164,27 @@ def adam_update(
     return switch(case, fp, xla, stored, approx, mu, nu, factors, options)
 
 
-def update_from_scalars(g, approx, mu, nu, scalars, *, block: int, residual: bool, compute, out, fast_path):
-    """`adam_update` along axis 0 with its scalars ``[eps, approx_factor, detail_factor, rho,
-    scale]`` in one array (a kernel's fallback)."""
-    rho = scalars[3] if residual else None
+def update_from_factors(
+    g, approx, mu, nu, factors, *, axis: int, block: int, residual: bool, compute, out, fast_path, guard: bool = True
+):
+    """`adam_update` from its arrays (`g` in any dtype, computed in `compute`), its factors
+    ``(eps, approx_factor, detail_factor, rho, scale)`` and its options (the rows' arguments).
+    ``guard=False`` leaves out the ``0 * G`` that keeps the square root after the repeat."""
+    eps, approx_factor, detail_factor, rho, scale = factors
     u = _xla_update(
-        g.astype(compute), approx, mu, nu, axis=0, block=block, eps=scalars[0], approx_factor=scalars[1],
-        detail_factor=scalars[2], residual=rho, fast_path=fast_path,
+        g.astype(compute), approx, mu, nu, axis=axis, block=block, eps=eps, approx_factor=approx_factor,
+        detail_factor=detail_factor, residual=rho if residual else None, fast_path=fast_path, guard=guard,
     )  # fmt: skip
-    return scaled(u, scalars[4], out)
+    return scaled(u, scale, out)
+
+
+def update_from_scalars(g, approx, mu, nu, scalars, *, block: int, residual: bool, compute, out, fast_path):
+    """`adam_update` along axis 0 with its factors in one array (the Pallas kernel's fallback)."""
+    factors = [scalars[i] for i in range(5)]
+    return update_from_factors(
+        g, approx, mu, nu, factors, axis=0, block=block, residual=residual, compute=compute, out=out,
+        fast_path=fast_path,
+    )  # fmt: skip
 
 
 def scaled(u: jax.Array, scale: float | jax.Array, dtype: Any) -> jax.Array:
@@ -181,7 +193,7 @@ def scaled(u: jax.Array, scale: float | jax.Array, dtype: Any) -> jax.Array:
     return (u * jnp.asarray(scale, u.dtype)).astype(dtype)
 
 
-def _xla_update(g, approx, mu, nu, *, axis, block, eps, approx_factor, detail_factor, residual, fast_path):
+def _xla_update(g, approx, mu, nu, *, axis, block, eps, approx_factor, detail_factor, residual, fast_path, guard=True):
     """`adam_update`'s expression for XLA to fuse (the block values repeated in place)."""
     n = g.shape[axis]
     dtype = g.dtype
@@ -196,7 +208,8 @@ def _xla_update(g, approx, mu, nu, *, axis, block, eps, approx_factor, detail_fa
     # ``+ 0 * g`` (exact: a non-finite G already makes the whole update NaN) keeps
     # XLA from hoisting the square root before the repeat, where it would be
     # materialised per block instead of fused.
-    added = jnp.zeros([], dtype) * g if residual is None else jnp.square(jnp.asarray(residual, dtype) * detail)
+    zero = jnp.zeros([], dtype) * g if guard else jnp.zeros([], dtype)
+    added = zero if residual is None else jnp.square(jnp.asarray(residual, dtype) * detail)
     den = jnp.sqrt(rep(nu) + added) + jnp.asarray(eps, dtype)
     numerator = detail * detail_factor.astype(dtype) + rep(mu) * (approx_factor.astype(dtype) * s)
     return numerator / den

@@ -203,8 +203,9 @@ def update(case: Case, plain: Any, fast_path: Any) -> Any:
     def on(interpret: bool):
         def f(g, approx, mu, nu, factors, options):
             scalars = jnp.stack([jnp.asarray(x, jnp.float32) for x in factors])
+            kernel_options = {k: v for k, v in options.items() if k != "axis"}  # axis 0: the row's condition
             return haar_adam_update(
-                g, approx, mu, nu, scalars, fallback=update_from_scalars, interpret=interpret, **options
+                g, approx, mu, nu, scalars, fallback=update_from_scalars, interpret=interpret, **kernel_options
             )
 
         return f

@@ -230,6 +230,20 @@ def _means_row(platform: str, sized: bool) -> Rule:
     )  # fmt: skip
 
 
+def _unguarded_row(platform: str) -> Rule:
+    """Rows ``<platform>-update-unguarded``."""
+    return Rule(
+        f"{platform}-update-unguarded", "update", platform,
+        when=lambda c: True,
+        condition="always",
+        formulation="xla_chips:update_unguarded",
+        saves="the full-size ``0 * G`` that keeps the square root after the repeat on the other chips: in a train "
+        "step, XLA for GPUs fuses it with the backward pass's zero-initialised gradients of scanned layers and "
+        "keeps one more full-size array per matrix shape alive (the update step alone compiles the same without it)",
+        measured=_DEVICELESS + " and the planner (`python -m optax_gwt.plan`)",
+    )  # fmt: skip
+
+
 #: The table. Order matters only within one op, platform and partitioning: the first row
 #: whose condition holds is taken.
 RULES: tuple[Rule, ...] = (
@@ -270,6 +284,8 @@ RULES: tuple[Rule, ...] = (
     _means_row("tpu", sized=False),
     _means_row("cuda", sized=True),
     _means_row("rocm", sized=True),
+    _unguarded_row("cuda"),
+    _unguarded_row("rocm"),
     Rule(
         "tpu-pallas-update",
         "update",

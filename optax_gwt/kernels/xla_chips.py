@@ -122,3 +122,14 @@ def one_limiter_vector(case: Case, plain: Callable, fast_path: FastPath) -> Call
     from optax_gwt.stages import limit_vector
 
     return limit_vector
+
+
+def update_unguarded(case: Case, plain: Callable, fast_path: FastPath) -> Callable:
+    """Rows ``*-update-unguarded``: ``f(g, approx, mu, nu, factors, options)``, `haar.adam_update`
+    without the ``0 * G`` under its square root (`haar.update_from_factors`)."""
+    from optax_gwt.haar import update_from_factors
+
+    def f(g, approx, mu, nu, factors, options):
+        return update_from_factors(g, approx, mu, nu, factors, guard=False, **options)
+
+    return f
