@@ -95,6 +95,32 @@ def test_the_planner_plans_for_a_chip(target):
     assert result.memory.opt_state == optax_gwt.optimizer_state_bytes(optax_gwt.gwt_adamw(1e-3), params).total
 
 
+def test_fits_names_the_largest_model_under_the_budget():
+    """`plan.fits.largest_fit` against each model's own plan at micro-batch 1: with a budget between
+    two models' needs it names the smaller, and the next with what it needs."""
+    from optax_gwt.models.llama_config import CONFIGS
+    from optax_gwt.plan import fits, llama
+
+    mesh = llama.make_mesh({"fsdp": 1}, (_device("h100"),))
+    precision = llama.Precision()
+
+    def need(name):  # GiB at micro-batch 1, planned directly
+        cfg = CONFIGS[name]
+        params = llama.sharded(llama.abstract_params(cfg, precision.params), mesh)
+        tx = llama.make_optimizer("gwt-2", cfg, precision.state)
+        step = plan.plan_step(llama.loss_fn(cfg, precision, mesh=mesh), tx, params, llama.batch_at(mesh, 64), 2**40,
+                              max_batch=1)  # fmt: skip
+        return step.memory.total / fits.GIB
+
+    small, large = need("9m"), need("20m")
+    assert small < large
+    fit = fits.largest_fit("h100", 1, "gwt-2", ("9m", "20m"), seq_len=64, max_batch=2, hbm_gib=(small + large) / 2)
+    assert (fit.config, fit.next_config) == ("9m", "20m") and fit.batch >= 1
+    assert fit.total_gib <= (small + large) / 2 and fit.next_gib == pytest.approx(large)
+    none = fits.largest_fit("h100", 1, "gwt-2", ("9m",), seq_len=64, max_batch=2, hbm_gib=small / 2)
+    assert none.config is None and none.batch == 0 and "none" in fits.markdown([none], ["gwt-2"])
+
+
 @pytest.mark.parametrize("target", ["h100", "v5e"])
 def test_a_mesh_of_target_devices(target):
     """targets.devices(name, n) gives a mesh the planner's LLaMA shards over."""

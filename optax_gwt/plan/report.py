@@ -83,8 +83,13 @@ def with_state_saved(rows: Sequence[dict]) -> list[dict]:
 
 
 def _cells(r: dict) -> list[str]:
+    """`r`'s cells; "-" where the compiler gave no figure (NaN: a GPU's costs, compiled deviceless)."""
     saved_before = {"batch_text": r.get("batch"), "state_saved_gib": float("nan")}  # rows of older reports
-    return [fmt.format(r[key] if key in r else saved_before[key]) for key, _, fmt in COLUMNS]
+
+    def cell(value, fmt: str) -> str:
+        return "-" if isinstance(value, float) and math.isnan(value) else fmt.format(value)
+
+    return [cell(r[key] if key in r else saved_before[key], fmt) for key, _, fmt in COLUMNS]
 
 
 def table(rows: Sequence[dict]) -> str:
