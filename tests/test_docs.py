@@ -227,7 +227,7 @@ def test_headline_table_is_the_default_study():
 # The generated blocks of the study and performance pages are their results files'.
 # ---------------------------------------------------------------------------
 
-STUDY_PAGE = os.path.join(DOCS, "study.md")
+STUDY_PAGE = os.path.join(DOCS, "study_records.md")
 PERFORMANCE_PAGE = os.path.join(DOCS, "performance.md")
 
 
@@ -237,7 +237,7 @@ def _between(text: str, start: str, end: str) -> str:
 
 
 def test_study_blocks_are_the_committed_reports(monkeypatch):
-    """Each study-report block is what ``sweep --report --readme docs/study.md`` writes from the committed report."""
+    """Each study-report block is what ``sweep --report --readme docs/study_records.md`` writes from the committed report."""
     sweep = pytest.importorskip("examples.llama.sweep")
     monkeypatch.chdir(REPO)
     text = read(STUDY_PAGE)
@@ -246,9 +246,9 @@ def test_study_blocks_are_the_committed_reports(monkeypatch):
     for key in keys:
         block = _between(text, *sweep.readme_markers(key))
         command = re.match(r"Written by `([^`]+)`", block).group(1)
-        assert "--readme docs/study.md" in command, command
-        expected = sweep.readme_block(read(os.path.join(key, "report.md")), key, "docs/study.md", command)
-        assert block == expected.strip("\n"), f"the {key} block of docs/study.md is not its report.md"
+        assert "--readme docs/study_records.md" in command, command
+        expected = sweep.readme_block(read(os.path.join(key, "report.md")), key, "docs/study_records.md", command)
+        assert block == expected.strip("\n"), f"the {key} block of docs/study_records.md is not its report.md"
 
 
 def test_comparison_blocks_are_the_saved_results(monkeypatch):

@@ -381,7 +381,7 @@ def test_readme_tables_are_the_saved_results_and_regenerate(tmp_path, monkeypatc
 
     ``--report --readme`` rewrites one block."""
     monkeypatch.chdir(REPO)
-    readme = open("docs/study.md").read()  # the tables' page since the README became a front page
+    readme = open("docs/study_records.md").read()  # the tables' page since the README became a front page
     for directory in ("results/llama", "results/llama-long"):
         report = compare.load_report(directory)
         assert compare.table(report["runs"]) in readme and compare.provenance(report) in readme

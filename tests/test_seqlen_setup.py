@@ -169,7 +169,7 @@ def _results_module(name: str):
 
 
 def _block(marker: str) -> str:
-    with open(os.path.join(REPO, "docs", "study.md")) as fh:
+    with open(os.path.join(REPO, "docs", "study_records.md")) as fh:
         text = fh.read()
     start = text.index(f"<!-- {marker}:start")
     body = text[text.index("\n", start) + 1 : text.index(f"<!-- {marker}:end -->")]
@@ -177,7 +177,7 @@ def _block(marker: str) -> str:
 
 
 def test_setup_tables_are_the_committed_results():
-    """results/seqlen/setup.md regenerates from its JSON/JSONL files, and docs/study.md carries it."""
+    """results/seqlen/setup.md regenerates from its JSON/JSONL files, and docs/study_records.md carries it."""
     text = _results_module("setup_summary").render()
     with open(os.path.join(REPO, "results", "seqlen", "setup.md")) as fh:
         assert fh.read() == text
@@ -185,7 +185,7 @@ def test_setup_tables_are_the_committed_results():
 
 
 def test_ratio_table_is_the_committed_results():
-    """results/seqlen/ratios.md regenerates from seqlen2.jsonl, and docs/study.md carries it."""
+    """results/seqlen/ratios.md regenerates from seqlen2.jsonl, and docs/study_records.md carries it."""
     _, lengths, text = _results_module("ratios").render()
     assert lengths == [128, 256, 512, 1024]
     with open(os.path.join(REPO, "results", "seqlen", "ratios.md")) as fh:

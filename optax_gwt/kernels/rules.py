@@ -394,7 +394,7 @@ def recording() -> Iterator[list[str]]:
       >>> with optax_gwt.kernels.recording() as taken:
       ...     _ = jax.eval_shape(tx.update, params, tx.init(params), params)
       >>> sorted(set(taken))[:3]
-      ['cpu-one-limiter-vector', 'cuda-means-from-gradient', 'rocm-means-from-gradient']
+      ['cpu-one-limiter-vector', 'cuda-means-from-gradient', 'cuda-update-unguarded']
     """
     log: list[str] = []
     token = _taken.set(log)

@@ -3,7 +3,7 @@
     python -m examples.llama.analysis.seqlen_setup_summary   # reads results/seqlen/setup_*.json,
                                                              # control.jsonl, seqlen2.jsonl -> setup.md
 
-docs/study.md carries setup.md between its ``seqlen-setup`` markers (tests/test_seqlen_setup.py checks it).
+docs/study_records.md carries setup.md between its ``seqlen-setup`` markers (tests/test_seqlen_setup.py checks it).
 """
 
 from __future__ import annotations
