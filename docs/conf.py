@@ -59,6 +59,8 @@ add_module_names = True
 html_theme = "sphinx_book_theme"
 html_title = f"optax-gwt {release}"
 html_static_path = ["_static"]
+html_css_files = ["tables.css"]  # wide tables scroll, short cells do not wrap
+html_js_files = ["tables.js"]
 html_theme_options = {
     "show_toc_level": 2,
     "home_page_in_toc": True,

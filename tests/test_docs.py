@@ -228,7 +228,7 @@ def test_headline_table_is_the_default_study():
 # ---------------------------------------------------------------------------
 
 STUDY_PAGE = os.path.join(DOCS, "study_records.md")
-PERFORMANCE_PAGE = os.path.join(DOCS, "performance.md")
+PERFORMANCE_PAGE = os.path.join(DOCS, "performance_records.md")
 
 
 def _between(text: str, start: str, end: str) -> str:
@@ -237,7 +237,8 @@ def _between(text: str, start: str, end: str) -> str:
 
 
 def test_study_blocks_are_the_committed_reports(monkeypatch):
-    """Each study-report block is what ``sweep --report --readme docs/study_records.md`` writes from the committed report."""
+    """Each study-report block is what ``sweep --report --readme docs/study_records.md`` writes from the
+    committed report."""
     sweep = pytest.importorskip("examples.llama.sweep")
     monkeypatch.chdir(REPO)
     text = read(STUDY_PAGE)
@@ -267,7 +268,7 @@ def test_performance_block_is_its_json(monkeypatch):
     """The performance tables' timings, state sizes and verdicts are those of the JSON named in the block.
 
     (Compared cell by cell rather than as text, so that a new column of the renderer does not
-    need a re-render of an old JSON: ``benchmarks.optimizer_step --render JSON --readme docs/performance.md``.)
+    need a re-render of an old JSON: ``benchmarks.optimizer_step --render JSON --readme docs/performance_records.md``.)
     """
     monkeypatch.chdir(REPO)
     text = read(PERFORMANCE_PAGE)
@@ -348,33 +349,32 @@ def test_named_files_and_modules_exist(path):
 
 
 # (page, the block's opening marker, the results file it must equal), as the command in the marker wrote it.
+PERF = "performance_records.md"
 RESULT_BLOCKS = [
     ("guides/levanter.md", "levanter-run", "python -m benchmarks.levanter_run --steps 60 --out results/levanter/run",
      "results/levanter/run.md"),
     ("guides/levanter.md", "maxtext-run", "python -m benchmarks.maxtext_run --steps 40 --out results/maxtext/run",
      "results/maxtext/run.md"),
-    ("performance.md", "targets-table", "python -m benchmarks.target_compile --out results/targets/update",
+    (PERF, "targets-table", "python -m benchmarks.target_compile --out results/targets/update",
      "results/targets/update.md"),
-    ("performance.md", "targets-1b", "python -m benchmarks.target_compile --model 1b --layers 1 --optimizers gwt1 gwt2 "
+    (PERF, "targets-1b", "python -m benchmarks.target_compile --model 1b --layers 1 --optimizers gwt1 gwt2 "
      "gwt3 --out results/targets/update-1b-layer", "results/targets/update-1b-layer.md"),
-    ("performance.md", "targets-7b", "python -m benchmarks.target_compile --model 7b --layers 1 --optimizers gwt1 gwt2 "
+    (PERF, "targets-7b", "python -m benchmarks.target_compile --model 7b --layers 1 --optimizers gwt1 gwt2 "
      "gwt3 --out results/targets/update-7b-layer", "results/targets/update-7b-layer.md"),
-    ("performance.md", "targets-train", "python -m benchmarks.target_compile --optimizers gwt1 gwt2 gwt3 --step train "
+    (PERF, "targets-train", "python -m benchmarks.target_compile --optimizers gwt1 gwt2 gwt3 --step train "
      "--out results/targets/train", "results/targets/train.md"),
-    ("performance.md", "targets-train-7b", "python -m benchmarks.target_compile --model 7b --layers 1 --optimizers "
+    (PERF, "targets-train-7b", "python -m benchmarks.target_compile --model 7b --layers 1 --optimizers "
      "gwt1 gwt2 gwt3 --step train --out results/targets/train-7b-layer", "results/targets/train-7b-layer.md"),
-    ("performance.md", "targets-train-7b-xla", "python -m benchmarks.target_compile --model 7b "
+    (PERF, "targets-train-7b-xla", "python -m benchmarks.target_compile --model 7b "
      "--layers 1 --optimizers gwt1 gwt2 gwt3 --step train --targets v5e v6e --fast-path no-pallas "
      "--out results/targets/train-7b-layer-xla",
      "results/targets/train-7b-layer-xla.md"),
-    ("performance.md", "targets-fsdp", "python -m benchmarks.target_compile --model 7b --fsdp 64 --optimizers gwt2 "
+    (PERF, "targets-fsdp", "python -m benchmarks.target_compile --model 7b --fsdp 64 --optimizers gwt2 "
      "gwt2-delayed gwt2-nolimit adamw-stacked gwt2-stacked gwt2-stacked-delayed --out results/targets/update-7b-fsdp64",
      "results/targets/update-7b-fsdp64.md"),
     ("guides/planning.md", "plan-target", "results/plan/targets/h100-fsdp64.md", "results/plan/targets/h100-fsdp64.md"),
     ("guides/planning.md", "plan-target-v5e", "results/plan/targets/v5e-fsdp64.md",
      "results/plan/targets/v5e-fsdp64.md"),
-    ("guides/planning.md", "plan-target-v6e", "results/plan/targets/v6e-fsdp64.md",
-     "results/plan/targets/v6e-fsdp64.md"),
 ]  # fmt: skip
 
 
@@ -451,3 +451,71 @@ def test_recorded_commands_name_paths_relative_to_the_root():
     benchmark = optimizer_step.command_line("benchmarks.optimizer_step", argv)
     assert benchmark == " ".join(["python", "-m", "benchmarks.optimizer_step", *want])
     assert [rundir.repo_relative(a) for a in argv] == want
+
+
+# ---------------------------------------------------------------------------
+# The front door: what a newcomer reads first fits the page, and says one thing once.
+# ---------------------------------------------------------------------------
+
+#: The pages a newcomer lands on: their code fits a code box at page width.
+FRONT = [README, *(os.path.join(DOCS, p) for p in ("index.md", "getting_started.md", "study.md", "performance.md"))]
+#: The result pages and guides: short enough to read (their records are pages of their own).
+SHORT = [
+    os.path.join(DOCS, p)
+    for p in ("index.md", "getting_started.md", "study.md", "performance.md", *(f"guides/{g}" for g in os.listdir(
+        os.path.join(DOCS, "guides")) if g.endswith(".md")))
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", FRONT, ids=[os.path.relpath(p, REPO) for p in FRONT])
+def test_front_pages_code_fits_its_box(path):
+    """No line of a code block on the front pages is longer than 88 characters (the code box's
+    width at the theme's text width; wider lines scroll)."""
+    blocks = re.findall(r"```[^\n]*\n(.*?)```", read(path), flags=re.S)
+    long = [line for block in blocks for line in block.splitlines() if len(line) > 88]
+    assert not long, long
+
+
+@pytest.mark.parametrize("path", SHORT, ids=[os.path.relpath(p, REPO) for p in SHORT])
+def test_guides_and_result_pages_are_short(path):
+    """At most about 15,000 characters: a page's records go on a page of their own."""
+    assert len(read(path)) <= 15_500, len(read(path))
+
+
+def test_readme_front_page_order():
+    """The README opens with what GWT and FOAM are, then install and run (the tests and the
+    main job), then the quickstart (within the first 60 lines, with FOAM), which optimizer and
+    what fits where; no paragraph holds more than six figures."""
+    text = read(README)
+    lines = text.splitlines()
+    quickstart = next(i for i, line in enumerate(lines) if line == "## Quickstart")
+    assert quickstart < 60 and "foam_adamw" in "\n".join(lines[quickstart : quickstart + 30])
+    heads = [line for line in lines if line.startswith("## ")]
+    assert heads[:4] == ["## Install and run", "## Quickstart", "## Which optimizer", "## What fits where"], heads
+    assert "python -m examples.llama.train" in text.split("## Quickstart")[0]
+    # figures, not code, links, paper ids or list numbers
+    prose = re.sub(r"```.*?```|`[^`]*`|<!--.*?-->|\]\([^)]*\)|arXiv \d+\.\d+|^\d+\. ", "", text, flags=re.S | re.M)
+    for paragraph in prose.split("\n\n"):
+        if paragraph.lstrip().startswith(("|", "!", "#")):
+            continue  # tables, images, headings
+        figures = re.findall(r"(?<![\w.-])\d+(?:\.\d+)?(?:x|%)?(?![\w-])", paragraph)
+        assert len(figures) <= 6, (figures, paragraph[:120])
+
+
+def test_front_door_tables_are_their_results():
+    """The README's "what fits where" table is ``results/plan/fits.md`` (which ``python -m
+    optax_gwt.plan.fits --out results/plan/fits`` writes); the docs include the README's."""
+    fits = read(os.path.join(REPO, "results", "plan", "fits.md")).strip("\n")
+    block = _between(read(README), "<!-- fits:start -->", "<!-- fits:end -->")
+    assert fits in block
+    for page in ("index.md", "guides/planning.md"):
+        assert "<!-- fits:start -->" in read(os.path.join(DOCS, page)), page
+
+
+def test_the_site_scrolls_wide_tables():
+    """The theme gets the stylesheet that puts wide tables in a scroll box and keeps short cells
+    on one line."""
+    css = read(os.path.join(DOCS, "_static", "tables.css"))
+    assert "overflow-x: auto" in css and "nowrap" in css
+    conf = read(os.path.join(DOCS, "conf.py"))
+    assert '"tables.css"' in conf and '"tables.js"' in conf
