@@ -107,6 +107,7 @@ def adam_update(
     scale: float = 1.0,
     out_dtype: Any = None,
     storage_dtype: Any = None,
+    batch_axes: int = 0,
     fast_path: str | FastPath = "auto",
 ) -> jax.Array:
     """Haar GWT's update of one array with a diagonal Adam step on its approximation.
@@ -139,6 +140,8 @@ def adam_update(
         (default: `g`'s dtype).
       storage_dtype: a dtype `g` converts to exactly (it was upcast from it), or
         None: a kernel that takes over (op ``"update"``) reads `g` in it.
+      batch_axes: how many leading axes of `g` are a stack of matrices (the factors may
+        then hold one value per matrix, shaped to broadcast).
       fast_path: the rows of ops ``"update"``, ``"block_means"`` and ``"repeat"`` it
         may take (`optax_gwt.kernels`).
     """
@@ -151,7 +154,10 @@ def adam_update(
     factors = (eps, approx_factor, detail_factor, 0.0 if residual is None else residual, scale)
     stored = g if storage_dtype is None else g.astype(storage_dtype)  # XLA drops the round trip
     wide = any(jnp.dtype(a.dtype).itemsize > 4 for a in (g, approx, mu, nu, *factors) if hasattr(a, "dtype"))
-    case = Case("update", g.shape, g.dtype, axis, block, state_dtype=mu.dtype, wide=wide, per_block_shape=mu.shape)
+    case = Case(
+        "update", g.shape, g.dtype, axis, block, state_dtype=mu.dtype, wide=wide, per_block_shape=mu.shape,
+        batch_axes=batch_axes,
+    )  # fmt: skip
     options = dict(axis=axis, block=block, residual=residual is not None, compute=g.dtype, out=out_dtype, fast_path=fp)
 
     def xla(*_):

@@ -23,6 +23,7 @@ Needs JAX and Optax only (no Flax).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -73,21 +74,25 @@ DEFAULT_LR = {
     "gwt-residual": 2e-2,  # as gwt
 }
 OPTIMIZERS = tuple(DEFAULT_LR)
+#: The optimizers `make_optimizer` builds for stacked layers (``batch_axes``).
+STACKABLE = ("adamw", "adamw-modular", "gwt", "gwt-nobc", "gwt-delayed", "gwt-energy", "gwt-residual", "foam")
 
 #: Lion's steps are sign(.) (RMS 1) where Adam's are smaller: the usual advice
 #: (Chen et al. 2023) is a 3-10x smaller learning rate. Applied to the matrices.
 LION_LR_RATIO = 0.1
 
 
-def param_labels(params: Any) -> Any:
-    """``"matrix"`` for rank-2 arrays under an ``attn`` or ``mlp`` module, else ``"other"``.
+def param_labels(params: Any, batch_axes: int = 0) -> Any:
+    """``"matrix"`` for matrices under an ``attn`` or ``mlp`` module, else ``"other"``.
 
     Works on any params pytree (``nnx.State``, nested dicts): the label is a
-    function of the array's path, e.g. ``layers/0/attn/q_proj/kernel``.
+    function of the array's path, e.g. ``layers/0/attn/q_proj/kernel``. A matrix is an
+    array of rank 2, or of rank ``2 + batch_axes`` where the layers are stacked along the
+    first `batch_axes` axes.
     """
 
     def label(path, x):
-        return "matrix" if x.ndim == 2 and path_names(path) & set(MATRIX_MODULES) else "other"
+        return "matrix" if x.ndim == 2 + batch_axes and path_names(path) & set(MATRIX_MODULES) else "other"
 
     return jax.tree_util.tree_map_with_path(label, params)
 
@@ -179,6 +184,7 @@ def make_optimizer(
     galore_gap: int = 200,
     norm_growth_limit: float | None = 1.01,
     gwt_axis: int = 0,
+    batch_axes: int = 0,
 ) -> optax.GradientTransformation:
     """The named optimizer for `params` (only their shapes and paths are used).
 
@@ -215,9 +221,14 @@ def make_optimizer(
         reference is 1.01.
       gwt_axis: the axis of each matrix GWT transforms: 0 (the reference: the
         ``(in, out)`` kernel's input axis) or 1 (its output axis).
+      batch_axes: leading axes along which the layers' matrices are stacked (scanned
+        layers); GWT and FOAM run on the stacks (`gwt_adamw`'s ``batch_axes``), the
+        other optimizers see the stacks as arrays (elementwise ones are unchanged by it).
     """
     if name not in DEFAULT_LR:
         raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
+    if batch_axes and name not in STACKABLE:
+        raise ValueError(f"{name!r} does not run on stacked layers (batch_axes); those that do: {STACKABLE}")
     lr = DEFAULT_LR[name] if lr is None else lr
     sched = lambda peak: make_schedule(peak, steps, warmup_frac, min_lr_ratio)  # noqa: E731
     adamw = lambda peak: optax.adamw(sched(peak), b1=0.9, b2=0.999, eps=1e-6, weight_decay=weight_decay)  # noqa: E731
@@ -247,9 +258,13 @@ def make_optimizer(
             norm_growth_limit=norm_growth_limit,
             norm_growth_delayed=name == "gwt-delayed",
             axis=gwt_axis,
+            batch_axes=batch_axes,
         )
     elif name == "foam":
-        matrix = foam_adamw(sched(lr), weight_decay=weight_decay, level=level, scale=alpha, axis=gwt_axis)
+        matrix = foam_adamw(
+            sched(lr), weight_decay=weight_decay, level=level, scale=alpha, axis=gwt_axis,
+            batch_axes=batch_axes,
+        )  # fmt: skip
     elif name == "galore":
         rank = galore_rank or galore_rank_matching(params, level)
         matrix = optax.contrib.galore(
@@ -259,7 +274,8 @@ def make_optimizer(
         make_base, ratio = GWT_BASES[name]
         matrix = _gwt_on(make_base(params), sched(lr * ratio), level=level, wavelet=wavelet, alpha=alpha,
                          weight_decay=weight_decay, detail_rule=detail_rule)  # fmt: skip
-    return optax.multi_transform({"matrix": matrix, "other": adamw(lr)}, param_labels)
+    labels = functools.partial(param_labels, batch_axes=batch_axes)
+    return optax.multi_transform({"matrix": matrix, "other": adamw(lr)}, labels)
 
 
 def matrix_state_bytes(optimizer: optax.GradientTransformation, params: Any) -> int:

@@ -601,6 +601,7 @@ def _adam_update(
         scale=scale,
         out_dtype=x.spec.dtype,
         storage_dtype=x.signal_dtype,
+        batch_axes=x.spec.batch_axes,
         fast_path=x.spec.fast_path,
     )
 

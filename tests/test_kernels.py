@@ -48,6 +48,7 @@ CASES = {
     "rocm-means-from-gradient": RowCase({"w": (64, 8)}, np.float32, ROCM),
     "cuda-update-unguarded": RowCase({"w": (64, 8), "v": (37, 6)}, fast_path=CUDA),
     "rocm-update-unguarded": RowCase({"w": (3, 16, 8)}, fast_path=ROCM, batch_axes=1),
+    "tpu-update-layer-by-layer": RowCase({"w": (3, 16, 8), "v": (2, 37, 6)}, fast_path=TPU, batch_axes=1),
     "tpu-pallas-update": RowCase({"w": (4096, 2048)}, np.float32, TPU, steps=1),
     "cpu-ffi-moments": RowCase({"w": (64, 8), "v": (37, 6)}, fast_path=FastPath(cpu_kernel=True)),
     "cpu-one-limiter-vector": RowCase({"w": (64, 8), "v": (37, 6), "bias": (7,)}),

@@ -17,6 +17,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -193,3 +194,28 @@ def test_a_model_that_does_not_fit_is_a_row_not_a_traceback(monkeypatch):
     assert gwt["total_b1_gib"] == pytest.approx(2.0)  # what the compiler said the step needed
     assert adamw["state_saved_gib"] == 0 and gwt["state_saved_gib"] > 0
     assert "does not fit" in report.table([adamw, gwt]) and math.isnan(gwt["update_tflops"])
+
+
+@pytest.mark.parametrize("kind", ["gwt", "foam"])
+def test_llama_planner_runs_gwt_on_the_stacks_as_per_layer(kind):
+    """The planner's GWT and FOAM run on the stacked layers (``batch_axes=1``): their updates equal
+    the same optimizer's on each layer under ``jax.vmap`` (`over_layers`), to float32 rounding."""
+    pytest.importorskip("flax")
+    from optax_gwt import modular
+    from optax_gwt.models.llama_config import LlamaConfig
+    from optax_gwt.plan import llama
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_heads=2, num_layers=3)
+    stacked = llama.make_optimizer(f"{kind}-2", cfg)
+    block = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), llama.abstract_params(cfg)["layers"])
+    per_layer = llama.over_layers(modular.make_optimizer(kind, block, steps=10_000, level=2))
+    keys = iter(jax.random.split(jax.random.key(0), 64))
+    params = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape), llama.abstract_params(cfg))
+    layers = params["layers"]
+    got, want = stacked.init(params), per_layer.init(layers)
+    for _ in range(3):
+        grads = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape), params)
+        u, got = jax.jit(stacked.update)(grads, got, params)
+        v, want = jax.jit(per_layer.update)(grads["layers"], want, layers)
+        for a, b in zip(jax.tree.leaves(u["layers"]), jax.tree.leaves(v), strict=True):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)

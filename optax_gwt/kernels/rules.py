@@ -114,6 +114,7 @@ class Case:
       per_block_shape: the per-block arrays' shape (``"update"``).
       energy: the second moment reads the blocks' energy (``"moments"``, FOAM).
       devices: the process's device count (``"moments"``).
+      batch_axes: leading axes that stack matrices (``"update"``).
     """
 
     op: str
@@ -129,6 +130,7 @@ class Case:
     per_block_shape: tuple[int, ...] | None = None
     energy: bool = False
     devices: int = 1
+    batch_axes: int = 0
 
     @property
     def entries(self) -> int:
@@ -251,8 +253,9 @@ RULES: tuple[Rule, ...] = (
         "tpu-block-sums",
         "block_sums",
         "tpu",
-        when=lambda c: c.block > 1 and c.shape[c.axis] % c.block == 0,
-        condition="the block divides the axis",
+        when=lambda c: c.block > 1 and c.shape[c.axis] % c.block == 0 and len(c.shape) == 2,
+        condition="the block divides the axis of a matrix (not a stack: there the contraction's relayouts of "
+        "whole stacks cost more than they save)",
         formulation="xla_chips:block_sums_by_contraction",
         saves="a contraction of runs of 128 entries (one lane tile) with a 0/1 matrix, which XLA fuses with the "
         "work around it; no relayout of a gradient whose transform axis lies on the lanes (FSDP shards)",
@@ -286,6 +289,18 @@ RULES: tuple[Rule, ...] = (
     _means_row("rocm", sized=True),
     _unguarded_row("cuda"),
     _unguarded_row("rocm"),
+    Rule(
+        "tpu-update-layer-by-layer",
+        "update",
+        "tpu",
+        when=lambda c: c.batch_axes > 0,
+        condition="a stack of matrices (`batch_axes`)",
+        formulation="xla_chips:update_layer_by_layer",
+        saves="the stack's full-size pass one matrix at a time, written in place: the TPUs' layouts of a stack "
+        "make XLA copy whole stacks (several full-size temporaries); one matrix's copies are a layer's, and each "
+        "matrix can take the other rows (the Pallas kernel on one device)",
+        measured=_DEVICELESS + " and the planner (`python -m optax_gwt.plan`)",
+    ),  # fmt: skip
     Rule(
         "tpu-pallas-update",
         "update",

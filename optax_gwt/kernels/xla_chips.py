@@ -10,6 +10,7 @@ reads it anyway (GPUs and TPUs), and the limiter's norms as one vector (the CPU)
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -131,5 +132,41 @@ def update_unguarded(case: Case, plain: Callable, fast_path: FastPath) -> Callab
 
     def f(g, approx, mu, nu, factors, options):
         return update_from_factors(g, approx, mu, nu, factors, guard=False, **options)
+
+    return f
+
+
+def update_layer_by_layer(case: Case, plain: Callable, fast_path: FastPath) -> Callable:
+    """Row ``tpu-update-layer-by-layer``: ``f(g, approx, mu, nu, factors, options)``, `haar.adam_update`
+    of a stack of matrices as a loop over them, each matrix's update written over its gradient."""
+    from optax_gwt.haar import adam_update
+
+    batch = case.shape[: case.batch_axes]
+    layers = math.prod(batch)
+
+    def flat(x):  # a per-matrix array with the stack's axes as one; a scalar stays
+        x = jnp.asarray(x)
+        return x.reshape((layers, *x.shape[case.batch_axes :])) if x.shape[: case.batch_axes] == batch else x
+
+    def f(g, approx, mu, nu, factors, options):
+        out = jnp.dtype(options["out"])
+        per_block, factors = [flat(x) for x in (approx, mu, nu)], [flat(x) for x in factors]
+        # The loop's carry starts as the gradient (in place, where the gradient is not needed after).
+        carry = flat(g).astype(out) if g.dtype == out else jnp.zeros((layers, *case.shape[case.batch_axes :]), out)
+
+        def one(i, carry):
+            take = lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)  # noqa: E731
+            gi = take(carry) if g.dtype == out else take(flat(g))
+            fi = [take(x).reshape(()) if x.ndim and x.shape[0] == layers else x for x in factors]
+            eps, approx_factor, detail_factor, rho, scale = fi
+            u = adam_update(
+                gi.astype(options["compute"]), *[take(x) for x in per_block], axis=case.axis - case.batch_axes,
+                block=case.block, eps=eps, approx_factor=approx_factor, detail_factor=detail_factor,
+                residual=rho if options["residual"] else None, scale=scale, out_dtype=out, storage_dtype=g.dtype,
+                fast_path=fast_path,
+            )  # fmt: skip
+            return jax.lax.dynamic_update_index_in_dim(carry, u, i, 0)
+
+        return jax.lax.fori_loop(0, layers, one, carry).reshape(case.shape)
 
     return f

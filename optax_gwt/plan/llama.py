@@ -19,9 +19,11 @@ axis of the matrix, else stays whole. GWT transforms axis 0 of each kernel
 
 Optimizers: `optax_gwt.modular.make_optimizer`'s (the paper's
 modular grouping: GWT / GaLore on the attention and MLP matrices, AdamW on the
-rest), applied to each layer by ``jax.vmap`` over the stacked axis
-(`over_layers`), so every matrix keeps its own state, norms and projectors
-exactly as in the unstacked model.
+rest). GWT and FOAM run on the stacks themselves (``batch_axes=1``, as a trainer
+of scanned layers runs them: one limiter norm per layer's matrix); the others are
+applied to each layer by ``jax.vmap`` over the stacked axis (`over_layers`). Either
+way every matrix keeps its own state, norms and projectors exactly as in the
+unstacked model.
 
 Needs Flax (``pip install "optax-gwt[plan]"``).
 """
@@ -232,10 +234,13 @@ def make_optimizer(name: str, cfg: LlamaConfig, state_dtype: str = "float32") ->
     block = _modules(cfg)[1][1]
     steps, at_level = 10_000, int(level or 2)
     rank = modular.galore_rank_matching(block, at_level) if kind == "galore" else None
-    layers = modular.make_optimizer(kind, block, steps=steps, level=at_level, galore_rank=rank)
+    if kind in ("gwt", "foam"):  # on the stacks themselves, as a scanned model's trainer runs them
+        layers = modular.make_optimizer(kind, block, steps=steps, level=at_level, batch_axes=1)
+    else:
+        layers = over_layers(modular.make_optimizer(kind, block, steps=steps, level=at_level, galore_rank=rank))
     # embedding, head, final norm: the "other" group, AdamW (Adafactor when everything is)
     model = modular.make_optimizer(kind if kind == "adafactor" else "adamw", block, steps=steps)
-    tx = optax.multi_transform({"layers": over_layers(layers), "model": model}, {"layers": "layers", "model": "model"})
+    tx = optax.multi_transform({"layers": layers, "model": model}, {"layers": "layers", "model": "model"})
     return state_in(state_dtype, tx)
 
 
