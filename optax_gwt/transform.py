@@ -206,11 +206,20 @@ def gwt_adamw(
       b1, b2, eps: Adam's constants (eps is added to the uncorrected sqrt(v)).
       weight_decay: decoupled weight decay.
       mask: which params weight decay applies to (as in `optax.adamw`).
-      level, wavelet, mode, axis, batch_axes, min_dim_size: see `scale_by_gwt`.
-      scale, norm_growth_limit, norm_growth_delayed, detail_rule: see `scale_by_gwt`.
-      bias_correct_details, detail_clip, second_moment, residual_scale: see `scale_by_gwt`.
-      mu_dtype, nu_dtype, fast_path: see `scale_by_gwt`.
-      wavelet_mask: which params may be transformed (`scale_by_gwt`'s mask).
+      level: DWT levels: the matrices' Adam state is ``1 / 2^level`` of AdamW's.
+      scale: alpha, the factor of the transformed matrices' step (0.25 in the paper;
+        the study's best was 0.125): tune the learning rate with it.
+      axis: the axis of each matrix that is transformed (0: a Flax kernel's input axis).
+      batch_axes: leading axes that stack matrices (1 for scanned layers ``(layers, in,
+        out)``; `axis` then counts among each matrix's own axes).
+      wavelet_mask: which params may be transformed (default: every array of rank 2 or
+        more, embeddings and head included; the paper keeps those on AdamW).
+      norm_growth_limit: Fira's limiter: the step's norm grows at most this factor per
+        step (None: off).
+      norm_growth_delayed: the limiter's factor applied a step late (not the paper's).
+      wavelet, mode, min_dim_size, mu_dtype, nu_dtype, fast_path: as `scale_by_gwt`'s.
+      detail_rule, bias_correct_details, detail_clip, second_moment, residual_scale: the
+        details' options, as `scale_by_gwt` documents them.
 
     Example:
       >>> import jax.numpy as jnp, optax, optax_gwt
