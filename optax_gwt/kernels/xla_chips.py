@@ -157,7 +157,7 @@ def update_layer_by_layer(case: Case, plain: Callable, fast_path: FastPath) -> C
         def one(i, carry):
             take = lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)  # noqa: E731
             gi = take(carry) if g.dtype == out else take(flat(g))
-            fi = [take(x).reshape(()) if x.ndim and x.shape[0] == layers else x for x in factors]
+            fi = [take(x).reshape(()) if x.ndim and x.shape[0] == layers else x.reshape(()) for x in factors]
             eps, approx_factor, detail_factor, rho, scale = fi
             u = adam_update(
                 gi.astype(options["compute"]), *[take(x) for x in per_block], axis=case.axis - case.batch_axes,
