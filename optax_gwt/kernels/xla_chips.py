@@ -152,7 +152,7 @@ def update_layer_by_layer(case: Case, plain: Callable, fast_path: FastPath) -> C
         out = jnp.dtype(options["out"])
         per_block, factors = [flat(x) for x in (approx, mu, nu)], [flat(x) for x in factors]
         # The loop's carry starts as the gradient (in place, where the gradient is not needed after).
-        carry = flat(g).astype(out) if g.dtype == out else jnp.zeros((layers, *case.shape[case.batch_axes :]), out)
+        carry = flat(g) if g.dtype == out else jnp.zeros((layers, *case.shape[case.batch_axes :]), out)
 
         def one(i, carry):
             take = lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)  # noqa: E731
