@@ -131,6 +131,18 @@ def test_row_equals_the_reference(name, x64):
     check_row(name)
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_rows_close_over_no_arrays(name, x64):
+    """A row's program holds no array built outside it: JAX (0.12 and up) passes each such
+    constant to every call as one more argument, counted in the step's memory."""
+    case = CASES[name]
+    params = {k: jax.ShapeDtypeStruct(s, case.dtype) for k, s in case.shapes.items()}
+    opt = optimizer(case)
+    state = jax.eval_shape(opt.init, params)
+    consts = jax.make_jaxpr(opt.update)(params, state, params).consts
+    assert [np.shape(c) for c in consts if np.ndim(c)] == []
+
+
 def test_rows_are_chosen_by_their_conditions():
     """`select` on cases just outside each condition takes the plain formulation."""
     f32 = dict(dtype=np.float32, state_dtype=np.float32)

@@ -16,7 +16,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from optax_gwt.kernels.rules import Case, FastPath
 
@@ -68,8 +67,14 @@ def _chunk(n: int, block: int, max_chunk: int) -> int:
 
 
 def _block_ones(chunk: int, block: int, dtype: Any) -> jax.Array:
-    """The ``(chunk / block, chunk)`` matrix whose row ``i`` is 1 on block ``i``."""
-    return jnp.asarray(np.arange(chunk)[None, :] // block == np.arange(chunk // block)[:, None], dtype)
+    """The ``(chunk / block, chunk)`` matrix whose row ``i`` is 1 on block ``i``.
+
+    Built from iotas inside the program: a NumPy array would be a constant that JAX (0.12 and
+    up) passes to every call as one more argument per call site.
+    """
+    shape = (chunk // block, chunk)
+    column = jax.lax.broadcasted_iota(jnp.int32, shape, 1) // block
+    return (column == jax.lax.broadcasted_iota(jnp.int32, shape, 0)).astype(dtype)
 
 
 def block_sums_by_contraction(case: Case, plain: Callable, fast_path: FastPath) -> Callable:
