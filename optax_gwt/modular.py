@@ -180,6 +180,7 @@ def make_optimizer(
     warmup_frac: float = 0.1,
     min_lr_ratio: float = 0.1,
     weight_decay: float = 0.0,
+    b2: float = 0.999,
     galore_rank: int | None = None,
     galore_gap: int = 200,
     norm_growth_limit: float | None = 1.01,
@@ -213,6 +214,7 @@ def make_optimizer(
       detail_rule: GWT's `optax_gwt.wavelet_inverse` detail rule; ``auto`` is
         the reference (``adam``) for ``gwt``/``gwt-nobc`` and ``norm_ratio``
         for the other bases.
+      b2: the second moment's decay of every Adam (AdamW, GWT, FOAM; the others keep their own).
       galore_rank: GaLore's rank; None picks the largest rank whose state is no
         bigger than GWT's at `level` (`galore_rank_matching`).
       galore_gap: steps between GaLore's SVD projector updates.
@@ -231,7 +233,7 @@ def make_optimizer(
         raise ValueError(f"{name!r} does not run on stacked layers (batch_axes); those that do: {STACKABLE}")
     lr = DEFAULT_LR[name] if lr is None else lr
     sched = lambda peak: make_schedule(peak, steps, warmup_frac, min_lr_ratio)  # noqa: E731
-    adamw = lambda peak: optax.adamw(sched(peak), b1=0.9, b2=0.999, eps=1e-6, weight_decay=weight_decay)  # noqa: E731
+    adamw = lambda peak: optax.adamw(sched(peak), b1=0.9, b2=b2, eps=1e-6, weight_decay=weight_decay)  # noqa: E731
 
     if name == "adamw":
         return adamw(lr)
@@ -248,6 +250,7 @@ def make_optimizer(
     elif name in ("gwt", "gwt-nobc", "gwt-delayed", "gwt-energy", "gwt-residual"):
         matrix = gwt_adamw(
             sched(lr),
+            b2=b2,
             weight_decay=weight_decay,
             level=level,
             wavelet=wavelet,
@@ -262,7 +265,7 @@ def make_optimizer(
         )
     elif name == "foam":
         matrix = foam_adamw(
-            sched(lr), weight_decay=weight_decay, level=level, scale=alpha, axis=gwt_axis,
+            sched(lr), b2=b2, weight_decay=weight_decay, level=level, scale=alpha, axis=gwt_axis,
             batch_axes=batch_axes,
         )  # fmt: skip
     elif name == "galore":

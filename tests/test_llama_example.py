@@ -168,6 +168,34 @@ def test_gwt_matches_gwt_adamw_on_matrices_with_scale_alpha_applied_once(one_lay
         np.testing.assert_allclose(np.asarray(u), np.asarray(first_update[label](g)), rtol=1e-6, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["adamw-modular", "foam"])
+def test_b2_reaches_both_groups(one_layer, name):
+    """``b2`` is every Adam's: the matrices' (AdamW or FOAM) and the other group's, seen at step two."""
+    _, params, grads = one_layer
+    sched = optimizers.make_schedule(1e-2, 10, 0.0)
+    refs = {
+        "matrix": optax.adamw(sched, b2=0.95, eps=1e-6) if name == "adamw-modular"
+        else optax_gwt.foam_adamw(sched, b2=0.95, scale=1.0, level=2),
+        "other": optax.adamw(sched, b2=0.95, eps=1e-6),
+    }  # fmt: skip
+    second = jax.tree.map(lambda g: -0.5 * g[::-1] if g.ndim else g, grads)
+
+    def two_steps(tx, g1, g2):
+        state = tx.update(g1, tx.init(g1), g1)[1]
+        return tx.update(g2, state, g1)[0]
+
+    tx = optimizers.make_optimizer(name, params, lr=1e-2, alpha=1.0, steps=10, warmup_frac=0.0, b2=0.95)
+    upd = jax.jit(lambda g1, g2: two_steps(tx, g1, g2))(grads, second)
+    labels = jax.tree.leaves(optimizers.param_labels(params))
+    by_label = {label: jax.jit(lambda g1, g2, r=ref: two_steps(r, g1, g2)) for label, ref in refs.items()}
+    leaves = (jax.tree.leaves(t) for t in (grads, second, upd))
+    for g1, g2, u, label in zip(*leaves, labels, strict=True):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(by_label[label](g1, g2)), rtol=1e-4, atol=1e-7)
+    default = optimizers.make_optimizer(name, params, lr=1e-2, alpha=1.0, steps=10, warmup_frac=0.0)
+    other = jax.jit(lambda g1, g2: two_steps(default, g1, g2))(grads, second)
+    assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(upd), jax.tree.leaves(other), strict=True))
+
+
 def test_state_memory_of_the_groups():
     cfg = model.get_config("9m", vocab_size=258, num_layers=2)
     _, params = _params(cfg)

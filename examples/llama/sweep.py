@@ -292,7 +292,8 @@ def run_grid(config: dict, output: str | None = None, run_root: str | None = Non
 
 
 def _describe_flags(flags: dict) -> str:
-    return " ".join(f"{k}={flags[k]}" for k in ("lr", "alpha", "seed", "seq_len", "steps") if k in flags)
+    shown = ("lr", "alpha", "b2", "weight_decay", "seed", "seq_len", "steps")
+    return " ".join(f"{k}={flags[k]}" for k in shown if k in flags)
 
 
 # ---------------------------------------------------------------------------

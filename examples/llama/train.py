@@ -181,6 +181,7 @@ def _add_optimizer_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup-frac", type=float, default=0.1, help="linear warm-up, as a share of --steps")
     g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to this fraction of the peak")
     g.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay of the matrices")
+    g.add_argument("--b2", type=float, default=0.999, help="the second moment's decay (AdamW, GWT and FOAM)")
     g.add_argument(
         "--galore-rank", type=int, default=None, help="None: the largest rank whose state <= GWT's at --level"
     )
@@ -304,6 +305,7 @@ def make_optimizer(args: argparse.Namespace, params: Any) -> optax.GradientTrans
         warmup_frac=args.warmup_frac,
         min_lr_ratio=args.min_lr_ratio,
         weight_decay=args.weight_decay,
+        b2=getattr(args, "b2", 0.999),
         galore_rank=args.galore_rank,
         galore_gap=args.galore_gap,
         norm_growth_limit=getattr(args, "norm_growth_limit", 1.01) or None,
