@@ -11,10 +11,10 @@ AdamW (its betas, eps, weight decay and decay mask) to everything else, under Ma
 learning-rate schedule.
 
 The script runs MaxText's own ``maxtext.trainers.pre_train.train`` on synthetic data, on
-the CPU, a tiny Llama-style decoder, three times (MaxText's adamw, then GWT-2 at scale
-0.25 and at scale 1: same config, data, learning rate and seed) in subprocesses, and
-writes ``<out>.json`` / ``<out>.md``: the losses and the optimizer-state bytes of the
-decoder kernels.
+the CPU, a tiny Llama-style decoder (`RUNS`: MaxText's adamw; GWT-2 as the paper states it;
+GWT-2 with the recipe's default bound on its details, at scale 0.25 and 1; FOAM-2: same
+config, data, learning rate and seed) in subprocesses, and writes ``<out>.json`` /
+``<out>.md``: the losses and the optimizer-state bytes of the decoder kernels.
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ def transform_axis(shape: tuple[int, ...], scan_axis: int | None) -> int:
 def gwt_get_optimizer(config, learning_rate_schedule, model=None, mesh=None) -> optax.GradientTransformation:
     """MaxText's ``get_optimizer``, GWT on the decoder layers' kernels, MaxText's AdamW elsewhere.
 
-    GWT's settings come from the environment (``GWT_LEVEL``, ``GWT_SCALE``), since MaxText's
-    config rejects keys it does not know. The layer axis is MaxText's ``param_scan_axis``,
+    GWT's settings come from the environment (``GWT_LEVEL``, ``GWT_SCALE``, ``GWT_DETAIL_CLIP``;
+    ``GWT_RECIPE=foam`` for `optax_gwt.foam_adamw`), since MaxText's config rejects keys it
+    does not know. The layer axis is MaxText's ``param_scan_axis``,
     which sits between a kernel's own axes (``(embed, layer, mlp)``), where ``batch_axes``
     takes leading axes only: the limiter's norm is one per stacked kernel, not per layer.
     """
@@ -64,19 +65,29 @@ def gwt_get_optimizer(config, learning_rate_schedule, model=None, mesh=None) -> 
 
     scan_axis = config.param_scan_axis if config.scan_layers else None
     adam = dict(b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps, weight_decay=config.adam_weight_decay)
-    matrices = optax_gwt.gwt_adamw(
-        learning_rate_schedule,
-        **adam,
+    shared = dict(
         level=int(os.environ.get("GWT_LEVEL", "2")),
         scale=float(os.environ.get("GWT_SCALE", "0.25")),
         axis=lambda path, x: transform_axis(x.shape, scan_axis),
     )
+    if os.environ.get("GWT_RECIPE", "gwt") == "foam":
+        matrices = optax_gwt.foam_adamw(learning_rate_schedule, **adam, **shared)
+    else:
+        detail_clip = _detail_clip(os.environ.get("GWT_DETAIL_CLIP"))
+        matrices = optax_gwt.gwt_adamw(learning_rate_schedule, **adam, **shared, detail_clip=detail_clip)
     rest = optax.adamw(learning_rate_schedule, **adam, mask=optimizers.get_adamw_mask(config))
 
     def labels(params):
         return jax.tree_util.tree_map_with_path(lambda p, x: "gwt" if _is_layer_kernel(p, x) else "adamw", params)
 
     return _reporting(optax.multi_transform({"gwt": matrices, "adamw": rest}, labels))
+
+
+def _detail_clip(text: str | None) -> float | None:
+    """``GWT_DETAIL_CLIP``: unset for `optax_gwt.SAFE_DETAIL_CLIP`, ``none`` for the paper's (unbounded)."""
+    if text is None:
+        return optax_gwt.SAFE_DETAIL_CLIP
+    return None if text.lower() == "none" else float(text)
 
 
 def _reporting(tx: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -111,17 +122,19 @@ def train(argv: list[str], optimizer: str) -> None:
     app.run(maxtext_train.main, argv=argv)  # as MaxText's own entry point (absl's flags and logging)
 
 
-def run(workdir: Path, optimizer: str, steps: int, learning_rate: float, scale: float = 0.25) -> dict:
-    """One MaxText run in a subprocess: its losses by step and the kernels' state bytes."""
+def run(workdir: Path, optimizer: str, steps: int, learning_rate: float, env: dict[str, str]) -> dict:
+    """One MaxText run in a subprocess (`env`: GWT's settings): its losses by step and the kernels'
+    state bytes."""
     import maxtext
 
     base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
-    args = [base, f"run_name={optimizer}", f"base_output_directory={workdir}", "dataset_type=synthetic",
+    name = "-".join([optimizer, *env.values()])
+    args = [base, f"run_name={name}", f"base_output_directory={workdir}", "dataset_type=synthetic",
             f"steps={steps}", "hardware=cpu", "per_device_batch_size=4", "enable_checkpointing=false",
             "skip_jax_distributed_system=true", f"learning_rate={learning_rate}", *MODEL]  # fmt: skip
     code = f"import sys; from benchmarks import maxtext_run; maxtext_run.train(sys.argv[1:], {optimizer!r})"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "GWT_SCALE": str(scale)}
-    done = subprocess.run([sys.executable, "-c", code, "_", *args], capture_output=True, text=True, env=env)
+    full_env = {**os.environ, "JAX_PLATFORMS": "cpu", **env}
+    done = subprocess.run([sys.executable, "-c", code, "_", *args], capture_output=True, text=True, env=full_env)
     out = done.stdout + done.stderr
     if done.returncode != 0:
         raise RuntimeError(f"MaxText ({optimizer}) failed:\n{out[-4000:]}")
@@ -130,12 +143,20 @@ def run(workdir: Path, optimizer: str, steps: int, learning_rate: float, scale: 
     return {"losses": losses, **state}
 
 
-RUNS = {"adamw": ("adamw", 0.25), "gwt": ("gwt", 0.25), "gwt-scale-1": ("gwt", 1.0)}
+#: name: (MaxText's optimizer hook, GWT's settings, the table's column).
+RUNS = {
+    "adamw": ("adamw", {}, "MaxText adamw"),
+    "gwt-paper": ("gwt", {"GWT_DETAIL_CLIP": "none"}, "GWT-2, the paper's"),
+    "gwt": ("gwt", {}, "GWT-2, recipe default"),
+    "gwt-scale-1": ("gwt", {"GWT_SCALE": "1"}, "GWT-2, recipe default, scale 1"),
+    "foam": ("gwt", {"GWT_RECIPE": "foam"}, "FOAM-2"),
+}
 
 
 def markdown(r: dict) -> str:
     losses = [{int(k): v for k, v in r[name]["losses"].items()} for name in RUNS]
-    lines = ["| step | MaxText adamw loss | GWT-2 loss (scale 0.25) | GWT-2 loss (scale 1) |", "|---|---|---|---|"]
+    titles = [title for _, _, title in RUNS.values()]
+    lines = ["| step | " + " | ".join(titles) + " |", "|---|" + "---|" * len(titles)]
     steps = sorted(losses[0])
     every = max(1, len(steps) // 10)
     for s in [s for s in steps if s % every == 0 or s == steps[-1]]:
@@ -158,8 +179,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     workdir = Path(args.workdir).resolve()
     r: dict[str, Any] = {"steps": args.steps, "learning_rate": args.learning_rate, "model": MODEL}
-    for name, (optimizer, scale) in RUNS.items():
-        r[name] = run(workdir, optimizer, args.steps, args.learning_rate, scale)
+    for name, (optimizer, env, _) in RUNS.items():
+        r[name] = run(workdir, optimizer, args.steps, args.learning_rate, env)
     r["versions"] = {"maxtext": maxtext.__version__, "jax": jax.__version__, "optax": optax.__version__}
     write_results(args.out, r, markdown(r))
     print(markdown(r))

@@ -33,6 +33,7 @@ from optax_gwt.memory import StateBytes, optimizer_state_bytes
 from optax_gwt.projection import LeafSpec, WaveletCoefficients, WaveletProjection
 from optax_gwt.stages import (
     DETAIL_RULES,
+    SAFE_DETAIL_CLIP,
     LimitNormGrowthState,
     OnApproximationState,
     limit_norm_growth,
@@ -46,6 +47,7 @@ from optax_gwt.wavelets import wavedec, waverec
 __all__ = [
     "DETAIL_RULES",
     "FOAM_STATIC_ARGS",
+    "SAFE_DETAIL_CLIP",
     "SECOND_MOMENTS",
     "STATIC_ARGS",
     "DecayAfterStepState",

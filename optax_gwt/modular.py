@@ -184,6 +184,7 @@ def make_optimizer(
     galore_rank: int | None = None,
     galore_gap: int = 200,
     norm_growth_limit: float | None = 1.01,
+    detail_clip: float | None = None,
     gwt_axis: int = 0,
     batch_axes: int = 0,
 ) -> optax.GradientTransformation:
@@ -221,6 +222,8 @@ def make_optimizer(
       norm_growth_limit: GWT's limiter gamma (`optax_gwt.limit_norm_growth`: the
         step's norm grows at most this factor per step); None: no limiter. The
         reference is 1.01.
+      detail_clip: GWT's bound on the details' part of the update (`optax_gwt.wavelet_inverse`);
+        None: the reference (unbounded).
       gwt_axis: the axis of each matrix GWT transforms: 0 (the reference: the
         ``(in, out)`` kernel's input axis) or 1 (its output axis).
       batch_axes: leading axes along which the layers' matrices are stacked (scanned
@@ -260,6 +263,7 @@ def make_optimizer(
             bias_correct_details=name != "gwt-nobc",
             norm_growth_limit=norm_growth_limit,
             norm_growth_delayed=name == "gwt-delayed",
+            detail_clip=detail_clip,
             axis=gwt_axis,
             batch_axes=batch_axes,
         )

@@ -46,6 +46,7 @@ from optax_gwt.projection import (
 
 __all__ = [
     "DETAIL_RULES",
+    "SAFE_DETAIL_CLIP",
     "OnApproximationState",
     "LimitNormGrowthState",
     "wavelet_project",
@@ -55,6 +56,11 @@ __all__ = [
 ]
 
 DETAIL_RULES = ("auto", "adam", "norm_ratio", "zero", "residual")
+#: The `wavelet_inverse` ``detail_clip`` that the trainer integrations give by default (Levanter's
+#: ``type: gwt``, the MaxText recipe): a bound on near-constant gradients' details (thousands of
+#: Adam steps per entry without it) that ordinary training after the first steps hardly reaches
+#: (docs/guides/numerics.md).
+SAFE_DETAIL_CLIP = 10.0
 
 
 _NEEDS_BLOCKS = (

@@ -353,6 +353,8 @@ PERF = "performance_records.md"
 RESULT_BLOCKS = [
     ("guides/levanter.md", "levanter-run", "python -m benchmarks.levanter_run --steps 60 --out results/levanter/run",
      "results/levanter/run.md"),
+    ("guides/numerics.md", "constant-gradient", "python -m benchmarks.constant_gradient --out "
+     "results/numerics/constant_gradient", "results/numerics/constant_gradient.md"),
     ("guides/levanter.md", "maxtext-run", "python -m benchmarks.maxtext_run --steps 40 --out results/maxtext/run",
      "results/maxtext/run.md"),
     (PERF, "targets-table", "python -m benchmarks.target_compile --out results/targets/update",

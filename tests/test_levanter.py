@@ -19,6 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 from levanter.models.llama import LlamaConfig  # noqa: E402
 from levanter.optim import AdamConfig, OptimizerConfig  # noqa: E402
 
+import optax_gwt  # noqa: E402
 import optax_gwt.levanter as gl  # noqa: E402
 
 CONFIG = LlamaConfig(max_seq_len=32, hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -88,6 +89,26 @@ def test_the_delayed_limiter_by_config():
         runs.append(out)
     assert all(bool(jnp.array_equal(a, b)) for a, b in zip(runs[0][0], runs[1][0], strict=True))
     assert not all(bool(jnp.allclose(a, b)) for a, b in zip(runs[0][3], runs[1][3], strict=True))
+
+
+def test_type_gwt_bounds_a_repeated_gradient_by_default():
+    """The same gradient every step, no warm-up: by default the hidden matrices' update stays
+    within `SAFE_DETAIL_CLIP` Adam steps (times lr x scale); ``detail_clip: null`` (the paper's)
+    goes far beyond."""
+    params = _params()
+    grads = jax.tree.map(lambda x: jax.random.normal(jax.random.PRNGKey(1), x.shape), params)
+    largest = {}
+    for clip in (optax_gwt.SAFE_DETAIL_CLIP, None):
+        config = gl.GWTConfig(learning_rate=1.0, level=2, scale=1.0, warmup=0.0, max_grad_norm=None,
+                              detail_clip=clip, weight_decay=0.0)  # fmt: skip
+        tx = config.build(100)
+        state, update, worst = tx.init(params), jax.jit(tx.update), 0.0
+        for _ in range(5):
+            updates, state = update(grads, state, params)
+            worst = max(worst, float(jnp.abs(updates.transformer.layers.stacked.mlp.up_proj.weight.array).max()))
+        largest[clip] = worst
+    assert largest[optax_gwt.SAFE_DETAIL_CLIP] <= optax_gwt.SAFE_DETAIL_CLIP + 1.0, largest
+    assert largest[None] > 10 * optax_gwt.SAFE_DETAIL_CLIP, largest
 
 
 def optax_gwt_limiter_state():

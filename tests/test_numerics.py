@@ -263,6 +263,29 @@ def test_detail_clip_bounds_the_worst_case(dtype, wavelet, mode):
             assert np.abs(u32).max() <= scale * clip + low_bound + 1e-3, (n, amp, np.abs(u32).max())
 
 
+def test_a_repeated_gradient_blows_up_the_paper_update_and_the_safe_default_bounds_it():
+    """One Gaussian gradient repeated, no warm-up (a batch seen again and again): the paper's
+    details stay hundreds of Adam steps large per entry; `SAFE_DETAIL_CLIP` bounds them at every
+    step, and FOAM's residual rule keeps its update about one Adam step."""
+    g = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((256, 64)), jnp.float32)}
+    clip = optax_gwt.SAFE_DETAIL_CLIP
+    paper = optax_gwt.scale_by_gwt(level=2, scale=1.0)
+    safe = optax_gwt.scale_by_gwt(level=2, scale=1.0, detail_clip=clip)
+    low_pass = optax_gwt.scale_by_gwt(level=2, scale=1.0, detail_rule="zero")
+    foam = optax_gwt.scale_by_foam(level=2, scale=1.0)
+    runs = {name: (tx, tx.init(g), jax.jit(tx.update)) for name, tx in
+            [("paper", paper), ("safe", safe), ("low", low_pass), ("foam", foam)]}  # fmt: skip
+    largest: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(50):
+        for name, (tx, state, update) in runs.items():
+            u, state = update(g, state)
+            runs[name] = (tx, state, update)
+            largest[name].append(float(jnp.abs(u["w"]).max()))
+    assert min(largest["paper"]) > 100, largest["paper"][:3]
+    assert all(s <= clip + low + 1e-5 for s, low in zip(largest["safe"], largest["low"], strict=True))
+    assert max(largest["foam"]) < 2
+
+
 @pytest.mark.slow
 def test_detail_clip_inactive_on_ordinary_gradients_equals_default():
     params = _params()

@@ -193,6 +193,12 @@ def _add_optimizer_args(p: argparse.ArgumentParser) -> None:
         help="GWT-AdamW's limiter gamma: the step's norm grows at most this factor a step (0: no limiter)",
     )
     g.add_argument(
+        "--detail-clip",
+        type=float,
+        default=None,
+        help="GWT's bound on the details' part of the update, in Adam steps (None: the paper's, unbounded)",
+    )
+    g.add_argument(
         "--gwt-axis", type=int, default=0, choices=(0, 1), help="GWT-AdamW's transform axis of each (in, out) kernel"
     )
 
@@ -309,6 +315,7 @@ def make_optimizer(args: argparse.Namespace, params: Any) -> optax.GradientTrans
         galore_rank=args.galore_rank,
         galore_gap=args.galore_gap,
         norm_growth_limit=getattr(args, "norm_growth_limit", 1.01) or None,
+        detail_clip=getattr(args, "detail_clip", None),
         gwt_axis=getattr(args, "gwt_axis", 0),
     )
 

@@ -164,11 +164,17 @@ class GWTConfig(_GroupedConfig):
     The matrices' step is ``learning_rate * scale`` (the paper's modular learning
     rates), with the authors' decoupled weight decay; the AdamW group's is
     ``adam_lr`` (default ``learning_rate``) with Levanter's weight-decay mask.
+
+    ``detail_clip`` defaults to `optax_gwt.SAFE_DETAIL_CLIP` (Adam steps), not to the paper's unbounded
+    details: on gradients that hardly change from step to step the paper's
+    update reaches thousands of Adam steps per entry (the numerics guide's
+    "Degenerate gradients"); ``detail_clip: null`` is the paper's algorithm.
     """
 
     wavelet: str = "haar"
     norm_growth_limit: float | None = 1.01
     norm_growth_delayed: bool = False  # not the paper's: for FSDP on TPUs (`optax_gwt.limit_norm_growth`)
+    detail_clip: float | None = optax_gwt.SAFE_DETAIL_CLIP
     epsilon: float = 1e-6
 
     def _matrices(self, learning_rate, axes, batch_axes) -> optax.GradientTransformation:
@@ -176,6 +182,7 @@ class GWTConfig(_GroupedConfig):
             wavelet=self.wavelet,
             norm_growth_limit=self.norm_growth_limit,
             norm_growth_delayed=self.norm_growth_delayed,
+            detail_clip=self.detail_clip,
         )
         return optax_gwt.gwt_adamw(learning_rate, **self._shared(axes, batch_axes), **own)
 
