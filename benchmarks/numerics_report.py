@@ -1,6 +1,6 @@
 """Accuracy per dtype, state bytes per dtype, and the detail_clip headroom: the README's numerics tables.
 
-    python benchmarks/numerics_report.py
+    python -m benchmarks.numerics_report --out results/numerics/report
 
 1. Accuracy: 8 steps of `gwt_adamw` (level 2, Haar, lr 1e-2, weight decay
    0.1) on fixed random gradients (arrays (37, 6), (64, 48), (16, 16), (7,)),
@@ -21,12 +21,15 @@
 
 from __future__ import annotations
 
+import argparse
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 import optax_gwt
+from benchmarks import write_results
 
 SHAPES = {"w": (37, 6), "m": (64, 48), "sq": (16, 16), "b": (7,)}
 STEPS, SEEDS = 8, 3
@@ -172,15 +175,20 @@ def clip_headroom(clips=(1.0, 2.0, 5.0, 10.0, 100.0), steps=50) -> list[str]:
 
 
 def main() -> None:
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}\n")
-    print("Accuracy (8 steps, worst of 3 seeds):\n")
-    print("\n".join(accuracy_table()))
-    print("\nbfloat16 second moment over long runs (unit Gaussian gradients, b2 = 0.999):\n")
-    print("\n".join(bf16_nu_drift()))
-    print("\nOptimizer state, LLaMA-60M matrices (8 x 512 hidden, 1376 MLP):\n")
-    print("\n".join(state_bytes_table()))
-    print("\ndetail_clip headroom on Gaussian gradients (256 x 64, level 2, Haar):\n")
-    print("\n".join(clip_headroom()))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="results/numerics/report")
+    args = parser.parse_args()
+    sections = [
+        ("Accuracy (8 steps, worst of 3 seeds)", accuracy_table()),
+        ("bfloat16 second moment over long runs (unit Gaussian gradients, b2 = 0.999)", bf16_nu_drift()),
+        ("Optimizer state, LLaMA-60M matrices (8 x 512 hidden, 1376 MLP)", state_bytes_table()),
+        ("detail_clip headroom on Gaussian gradients (256 x 64, level 2, Haar)", clip_headroom()),
+    ]
+    md = f"jax {jax.__version__}, backend {jax.default_backend()}\n\n" + "\n\n".join(
+        f"{title}:\n\n" + "\n".join(rows) for title, rows in sections
+    )
+    print(md)
+    write_results(args.out, {"sections": {title: rows for title, rows in sections}}, md)
 
 
 if __name__ == "__main__":

@@ -223,6 +223,38 @@ def test_headline_table_is_the_default_study():
         assert lr == ref[1] and (not alpha or alpha[0] == ref[2]), (name, ref)
 
 
+_LOSS_FIGURE = re.compile(r"(?<![\w.])\d\.\d{4}(?!\d)")
+
+
+def _committed_figures() -> set[str]:
+    """Every four-decimal figure of the committed results: as written in their tables, and their
+    longer floats (JSON, JSONL) rounded to four decimals."""
+    figures: set[str] = set()
+    for path in glob.glob(os.path.join(REPO, "results", "**", "*"), recursive=True):
+        if not path.endswith((".md", ".json", ".jsonl")):
+            continue
+        text = read(path)
+        figures |= set(_LOSS_FIGURE.findall(text))
+        figures |= {f"{float(x):.4f}" for x in re.findall(r"(?<![\w.])\d\.\d{5,}", text)}
+    return figures
+
+
+def _prose(text: str) -> str:
+    """`text` without its fenced code blocks (sample output, not a claim)."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+
+
+def test_every_loss_figure_is_a_committed_result():
+    """One story per claim: a four-decimal figure (a loss, a ratio) that a page states is one that a
+    committed results file holds, so that a rerun study cannot leave an old figure on any page."""
+    figures = _committed_figures()
+    stale = {
+        os.path.relpath(page, REPO): sorted(set(_LOSS_FIGURE.findall(_prose(read(page)))) - figures)
+        for page in [README, *PAGES]
+    }
+    assert not {page: missing for page, missing in stale.items() if missing}
+
+
 # ---------------------------------------------------------------------------
 # The generated blocks of the study and performance pages are their results files'.
 # ---------------------------------------------------------------------------
