@@ -33,6 +33,22 @@ def test_smoke_grid_runs_then_resumes_without_rerunning(tmp_path, monkeypatch):
     assert len(sweep.load_records(out)) == 2
 
 
+def test_the_gpu_study_runs_small_on_the_cpu(tmp_path):
+    """The GPU study's config as it stands (its optimizers and their settings), on a tiny model
+    for two steps: every run finishes and the report ranks them."""
+    config = sweep.load_config(os.path.join(os.path.dirname(SMOKE), "gpu60m.toml"))
+    config["grid"].update(seq_len=[16], steps=[2])
+    config["train"].update(model=["num_layers=1", "hidden_size=32", "intermediate_size=64", "num_heads=2"],
+                           batch_size=2, eval_every=1, eval_batches=1)  # fmt: skip
+    out = str(tmp_path / "gpu60m.jsonl")
+    new = sweep.run_grid(config, out, str(tmp_path / "runs"), log=lambda _: None)
+    assert sorted(r["name"] for r in new) == sorted(config["optimizers"])
+    assert all(r["final_val_loss"] > 0 and r["tokens_per_s"] > 0 for r in new)
+    sweep.write_report(out, plots=False)
+    report = (tmp_path / "gpu60m-report" / "report.md").read_text()
+    assert all(f"| {name} |" in report for name in config["optimizers"])
+
+
 def test_expand_axes_overrides_and_token_budget():
     config = {
         "grid": {"seed": [0, 1], "seq_len": [64, 128], "steps": [10]},
