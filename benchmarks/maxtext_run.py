@@ -25,6 +25,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,29 +53,36 @@ def transform_axis(shape: tuple[int, ...], scan_axis: int | None) -> int:
     return max(axes, key=lambda i: (shape[i], i))
 
 
+def layer_matrices(
+    learning_rate: optax.ScalarOrSchedule, adam: dict[str, Any], scan_axis: int | None, env: Mapping[str, str]
+) -> optax.GradientTransformation:
+    """GWT (or FOAM) for the scanned layers' kernels, set by `env` (``GWT_*``): each kernel
+    transformed along its longest axis other than the layer axis, which is a batch axis."""
+    shared = dict(
+        level=int(env.get("GWT_LEVEL", "2")),
+        scale=float(env.get("GWT_SCALE", "0.25")),
+        axis=lambda path, x: transform_axis(x.shape, scan_axis),
+        batch_axes=lambda path, x: (scan_axis,) if scan_axis is not None and x.ndim >= 3 else 0,
+    )
+    if env.get("GWT_RECIPE", "gwt") == "foam":
+        return optax_gwt.foam_adamw(learning_rate, **adam, **shared)
+    return optax_gwt.gwt_adamw(learning_rate, **adam, **shared, detail_clip=_detail_clip(env.get("GWT_DETAIL_CLIP")))
+
+
 def gwt_get_optimizer(config, learning_rate_schedule, model=None, mesh=None) -> optax.GradientTransformation:
     """MaxText's ``get_optimizer``, GWT on the decoder layers' kernels, MaxText's AdamW elsewhere.
 
     GWT's settings come from the environment (``GWT_LEVEL``, ``GWT_SCALE``, ``GWT_DETAIL_CLIP``;
     ``GWT_RECIPE=foam`` for `optax_gwt.foam_adamw`), since MaxText's config rejects keys it
-    does not know. The layer axis is MaxText's ``param_scan_axis``,
-    which sits between a kernel's own axes (``(embed, layer, mlp)``), where ``batch_axes``
-    takes leading axes only: the limiter's norm is one per stacked kernel, not per layer.
+    does not know. The layer axis is MaxText's ``param_scan_axis``, which sits between a
+    kernel's own axes (``(embed, layer, mlp)``): ``batch_axes`` names it, so that the limiter
+    keeps one norm per layer's matrix, as for separate matrices.
     """
     from maxtext.optimizers import optimizers
 
     scan_axis = config.param_scan_axis if config.scan_layers else None
     adam = dict(b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps, weight_decay=config.adam_weight_decay)
-    shared = dict(
-        level=int(os.environ.get("GWT_LEVEL", "2")),
-        scale=float(os.environ.get("GWT_SCALE", "0.25")),
-        axis=lambda path, x: transform_axis(x.shape, scan_axis),
-    )
-    if os.environ.get("GWT_RECIPE", "gwt") == "foam":
-        matrices = optax_gwt.foam_adamw(learning_rate_schedule, **adam, **shared)
-    else:
-        detail_clip = _detail_clip(os.environ.get("GWT_DETAIL_CLIP"))
-        matrices = optax_gwt.gwt_adamw(learning_rate_schedule, **adam, **shared, detail_clip=detail_clip)
+    matrices = layer_matrices(learning_rate_schedule, adam, scan_axis, os.environ)
     rest = optax.adamw(learning_rate_schedule, **adam, mask=optimizers.get_adamw_mask(config))
 
     def labels(params):

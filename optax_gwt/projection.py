@@ -26,7 +26,7 @@ from optax_gwt.kernels.rules import FastPath
 __all__ = ["LeafSpec", "WaveletProjection", "WaveletCoefficients", "AdamTerms", "project_leaf", "inverse_leaf"]
 
 AxisSpec = None | int | Callable[[tuple, jax.Array], int | None] | Any
-BatchSpec = int | Callable[[tuple, jax.Array], int] | Any
+BatchSpec = int | Callable[[tuple, jax.Array], int | tuple[int, ...]] | Any
 MaskSpec = None | Any | Callable[[Any], Any]
 
 
@@ -47,7 +47,8 @@ class LeafSpec:
       level: the DWT's number of levels.
       wavelet: the DWT's wavelet (PyWavelets' name).
       mode: the DWT's boundary mode.
-      batch_axes: how many leading axes are a batch of matrices (`WaveletProjection`).
+      batch_axes: how many leading axes are a batch of matrices, or the tuple of the batch
+        axes where they are not all leading (`WaveletProjection`).
       fast_path: the formulations its transform may take (`WaveletProjection`).
 
     Example:
@@ -64,7 +65,7 @@ class LeafSpec:
     level: int
     wavelet: str
     mode: str
-    batch_axes: int = 0
+    batch_axes: int | tuple[int, ...] = 0
     fast_path: FastPath = FastPath()
 
     def __post_init__(self):
@@ -84,9 +85,26 @@ class LeafSpec:
         return self.wavelet == "haar" and (self.mode == "zero" or self.length % self.block == 0)
 
     @property
+    def batch_dims(self) -> tuple[int, ...]:
+        """The batch axes, in order."""
+        return tuple(range(self.batch_axes)) if isinstance(self.batch_axes, int) else self.batch_axes
+
+    @property
+    def leading_batch_axes(self) -> int:
+        """How many leading axes stack matrices: 0 where the batch axes are not all leading (the
+        formulations that walk a stack take the leading ones only)."""
+        return self.batch_axes if isinstance(self.batch_axes, int) else 0
+
+    @property
     def batch_shape(self) -> tuple[int, ...]:
         """The batch axes' shape: one norm-growth limiter scalar per matrix."""
-        return self.shape[: self.batch_axes]
+        return tuple(self.shape[d] for d in self.batch_dims)
+
+    @property
+    def per_matrix_shape(self) -> tuple[int, ...]:
+        """The shape of one value per matrix that broadcasts against the array (length 1 along
+        every axis of the matrices)."""
+        return tuple(n if d in self.batch_dims else 1 for d, n in enumerate(self.shape))
 
     @property
     def approx_shape(self) -> tuple[int, ...]:
@@ -124,11 +142,13 @@ class WaveletProjection:
       batch_axes: how many leading axes of an array are a batch of matrices
         (stacked, scanned layers: ``(layers, in, out)`` has 1): an int for
         every array, a pytree prefix of ints, or a function ``(path, array) ->
-        int``. An int `axis` then counts among each matrix's own axes (axis 0
-        of ``(layers, in, out)`` is ``in``), an array is selected when it has
-        two axes besides its batch axes, and the norm-growth limiter (and the
-        ``"norm_ratio"`` rule) take one norm per matrix, as the authors do
-        for separate matrices. Default 0.
+        int | tuple``; a tuple names the batch axes where they are not all
+        leading (MaxText's ``(embed, layers, mlp)`` has ``(1,)``). An int `axis`
+        then counts among each matrix's own axes (axis 0 of ``(layers, in,
+        out)`` is ``in``), an array is selected when it has two axes besides its
+        batch axes, and the norm-growth limiter (and the ``"norm_ratio"`` rule)
+        take one norm per matrix, as the authors do for separate matrices.
+        Default 0.
       min_dim_size: arrays shorter than this along the axis are left to the base
         optimizer at full size. None (default): every selected array is
         transformed, and an axis too short for `level` is an error (too short:
@@ -178,8 +198,12 @@ class WaveletProjection:
         """
         leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
         batches = [
-            0 if b is None else b
-            for b in self._per_leaf(self.batch_axes, tree, leaves_with_path, treedef, "batch_axes")
+            _batch_dims(jax.tree_util.keystr(path), x, b)
+            for (path, x), b in zip(
+                leaves_with_path,
+                self._per_leaf(self.batch_axes, tree, leaves_with_path, treedef, "batch_axes"),
+                strict=True,
+            )
         ]
         axes = self._axes(tree, leaves_with_path, treedef, batches)
         selected = self._mask(tree, treedef)
@@ -203,9 +227,9 @@ class WaveletProjection:
         if not isinstance(axis, (int, np.integer)) or not -leaf.ndim <= axis < leaf.ndim:
             raise ValueError(f"{name}: transform axis {axis!r} is out of range for shape {tuple(leaf.shape)}")
         axis = int(axis) % leaf.ndim
-        if not isinstance(batch, (int, np.integer)) or not 0 <= batch < leaf.ndim or axis < batch:
+        if axis in batch or leaf.ndim - len(batch) < 2:
             raise ValueError(
-                f"{name}: batch_axes {batch!r} must be an int that leaves the transform axis {axis} "
+                f"{name}: batch_axes {batch!r} must leave the transform axis {axis} and another axis "
                 f"among the matrix's own axes (shape {tuple(leaf.shape)})"
             )
         n = int(leaf.shape[axis])
@@ -219,7 +243,8 @@ class WaveletProjection:
                 "arrays to the base optimizer with min_dim_size, mask or axis."
             )
         spec = (name, tuple(leaf.shape), dtype.name, axis, self.level, self.wavelet, self.mode)
-        return LeafSpec(*spec, batch_axes=int(batch), fast_path=FastPath.of(self.fast_path))
+        leading = batch == tuple(range(len(batch)))
+        return LeafSpec(*spec, batch_axes=len(batch) if leading else batch, fast_path=FastPath.of(self.fast_path))
 
     def _per_leaf(self, value, tree, leaves_with_path, treedef, what: str) -> list:
         """`value` for each leaf: itself (None or an int), a function's answer, or a prefix tree's entry."""
@@ -235,10 +260,13 @@ class WaveletProjection:
             return self._per_leaf(self.axis, tree, leaves_with_path, treedef, "axis")
         axes: list[Any] = []
         for (_, x), batch in zip(leaves_with_path, batches, strict=True):
-            if self.axis is None or getattr(x, "ndim", 0) < 2 + batch:
+            own = [d for d in range(getattr(x, "ndim", 0)) if d not in batch]
+            if self.axis is None or len(own) < 2:
                 axes.append(None)  # not a matrix besides its batch axes
-            else:
-                axes.append(batch + self.axis if self.axis >= 0 else self.axis)
+            elif -len(own) <= self.axis < len(own):
+                axes.append(own[self.axis])
+            else:  # out of range: the error names it
+                axes.append(len(batch) + self.axis if self.axis >= 0 else self.axis)
         return axes
 
     def _mask(self, tree, treedef) -> list:
@@ -246,6 +274,23 @@ class WaveletProjection:
             return [True] * treedef.num_leaves
         mask = self.mask(tree) if _is_function(self.mask) else self.mask
         return [bool(m) for m in _broadcast_prefix(mask, tree, treedef, "mask")]
+
+
+def _batch_dims(name: str, leaf: Any, batch: Any) -> tuple[int, ...]:
+    """`batch_axes`' value for one leaf as the sorted tuple of its batch axes."""
+    ndim = getattr(leaf, "ndim", 0)
+    if batch is None:
+        return ()
+    if isinstance(batch, (int, np.integer)) and not isinstance(batch, bool) and batch >= 0:
+        return tuple(range(int(batch)))  # more than an array has: it is not transformed
+    if isinstance(batch, tuple) and all(isinstance(d, (int, np.integer)) and -ndim <= d < ndim for d in batch):
+        dims = tuple(sorted({int(d) % ndim for d in batch}))
+        if len(dims) == len(batch):
+            return dims
+    raise ValueError(
+        f"{name}: batch_axes {batch!r} must be a count of leading axes or a tuple of distinct axes of an "
+        f"array of shape {tuple(getattr(leaf, 'shape', ()))}"
+    )
 
 
 def _is_function(x: Any) -> bool:
@@ -444,8 +489,10 @@ def _broadcasts(weight: jax.Array, axis: int) -> bool:
     return jnp.ndim(weight) == 0 or weight.shape[axis] == 1
 
 
-def matrix_sq_norms(x: jax.Array, batch_axes: int) -> jax.Array:
-    """Each matrix's squared norm: ``x^2`` summed over all but the first `batch_axes` axes
-    (kept, length 1: the result broadcasts against `x`), in float32 at least."""
+def matrix_sq_norms(x: jax.Array, batch_axes: int | tuple[int, ...]) -> jax.Array:
+    """Each matrix's squared norm: ``x^2`` summed over all but the batch axes (the first
+    `batch_axes`, or those named), kept with length 1 so that the result broadcasts against `x`,
+    in float32 at least."""
+    dims = tuple(range(batch_axes)) if isinstance(batch_axes, int) else batch_axes
     x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    return jnp.sum(jnp.square(x), axis=tuple(range(batch_axes, x.ndim)), keepdims=True)
+    return jnp.sum(jnp.square(x), axis=tuple(d for d in range(x.ndim) if d not in dims), keepdims=True)

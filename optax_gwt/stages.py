@@ -412,11 +412,7 @@ def limit_norm_growth(
             lams, rs = _limit_factors(nodes, r_prev, state.count, gamma)
             for k, x, lam, r, prev in zip(index, nodes, lams, rs, r_prev, strict=True):
                 applied = new_scale[owner[k]].astype(lam.dtype) if delayed else lam
-                limit = (
-                    applied
-                    if x.spec.batch_axes == 0
-                    else applied.reshape(applied.shape + (1,) * (x.approx.ndim - applied.ndim))
-                )
+                limit = applied if not x.spec.batch_dims else applied.reshape(x.spec.per_matrix_shape)
                 out[k] = x.replace(approx=x.approx / limit.astype(x.approx.dtype), limit=limit)
                 new_prev[owner[k]] = (r / lam).astype(prev.dtype)
                 new_scale[owner[k]] = lam.astype(new_scale[owner[k]].dtype)
@@ -451,7 +447,7 @@ def _batch_shapes(params: Any, projection: WaveletProjection | None) -> dict[tup
         return {}
     specs, _ = projection.leaf_specs(params)
     paths = [tuple(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    return {p: s.batch_shape for p, s in zip(paths, specs, strict=True) if s is not None and s.batch_axes}
+    return {p: s.batch_shape for p, s in zip(paths, specs, strict=True) if s is not None and s.batch_dims}
 
 
 def _limit_factors(nodes: list, r_prev: list, count: jax.Array, gamma: float) -> tuple[list, list]:
@@ -489,8 +485,8 @@ def limit_vector(nodes: list, r_prev: list, count: jax.Array, gamma: float) -> t
 
 def _limit_inputs(x: WaveletCoefficients, p: jax.Array, dt: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One node's squared norms, step scales and previous norms, one entry per matrix."""
-    b = x.spec.batch_axes
-    if b == 0:
+    b = x.spec.batch_dims
+    if not b:
         sq = (x.sq_norm if x.sq_norm is not None else jnp.sum(jnp.square(x.approx)))[None]
     else:
         sq = matrix_sq_norms(x.approx, b).reshape(-1)
@@ -501,7 +497,7 @@ def _limit_inputs(x: WaveletCoefficients, p: jax.Array, dt: Any) -> tuple[jax.Ar
     )
     ones = jnp.ones(sq.shape, dt)
     assert x.step_scale is not None  # limit_norm_growth checked it
-    scale = ones if b == 0 and x.sq_norm is not None else ones * x.step_scale.astype(dt)
+    scale = ones if not b and x.sq_norm is not None else ones * x.step_scale.astype(dt)
     return sq, scale, p.astype(dt).reshape(-1)
 
 
@@ -539,8 +535,8 @@ def _detail_weight(x: WaveletCoefficients, rule: str, bias_correct_details: bool
     if rule == "norm_ratio":
 
         def norm(a):  # per matrix where the array is a batch of them
-            if x.spec.batch_axes:
-                return jnp.sqrt(matrix_sq_norms(a, x.spec.batch_axes))
+            if x.spec.batch_dims:
+                return jnp.sqrt(matrix_sq_norms(a, x.spec.batch_dims))
             return jnp.sqrt(jnp.sum(jnp.square(a.astype(_scalar_dtype(a)))))
 
         a_norm = norm(x.grad_approx)
@@ -607,7 +603,7 @@ def _adam_update(
         scale=scale,
         out_dtype=x.spec.dtype,
         storage_dtype=x.signal_dtype,
-        batch_axes=x.spec.batch_axes,
+        batch_axes=x.spec.leading_batch_axes,
         fast_path=x.spec.fast_path,
     )
 

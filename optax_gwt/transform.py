@@ -211,7 +211,9 @@ def gwt_adamw(
         the study's best was 0.125): tune the learning rate with it.
       axis: the axis of each matrix that is transformed (0: a Flax kernel's input axis).
       batch_axes: leading axes that stack matrices (1 for scanned layers ``(layers, in,
-        out)``; `axis` then counts among each matrix's own axes).
+        out)``; `axis` then counts among each matrix's own axes), or a function of
+        ``(path, array)`` giving a tuple of axes where the layers' axis is elsewhere
+        (``(1,)`` for MaxText's ``(embed, layers, mlp)``).
       wavelet_mask: which params may be transformed (default: every array of rank 2 or
         more, embeddings and head included; the paper keeps those on AdamW).
       norm_growth_limit: Fira's limiter: the step's norm grows at most this factor per

@@ -159,6 +159,38 @@ def test_stacked_matrices_equal_the_matrices_one_by_one(detail_rule, platform):
         np.testing.assert_allclose(np.asarray(got["w"][layer]), np.asarray(want["w"]), rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.usefixtures("x64")
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])
+def test_a_layer_axis_in_the_middle_equals_the_matrices_one_by_one(platform):
+    """MaxText's layout, ``(embed, layers, mlp)``: ``batch_axes`` naming the middle axis gives each
+    layer's matrix the steps it has alone (its own limiter norm), to float64 rounding; a layout the
+    stack-walking formulations do not take (they walk leading axes)."""
+    rng = np.random.default_rng(2)
+    layers = 3
+    stacked = {"w": jnp.asarray(rng.standard_normal((16, layers, 128))), "b": jnp.zeros(6)}
+    grads = [
+        {"w": jnp.asarray(rng.uniform(0.2, 5.0, (1, layers, 1)) * rng.standard_normal((16, layers, 128))),
+         "b": jnp.asarray(rng.standard_normal(6))}
+        for _ in range(5)
+    ]  # fmt: skip
+    kw = dict(level=2, weight_decay=0.1, fast_path=optax_gwt.FastPath(emulate=platform))
+    middle = lambda path, x: (1,) if x.ndim == 3 else 0  # noqa: E731
+    tx = optax_gwt.gwt_adamw(1e-2, batch_axes=middle, **kw)
+    state = tx.init(stacked)
+    assert state[0][1].inner_state.mu["w"].shape == (4, layers, 128)
+    assert state[0][2].norm_prev["w"].shape == (layers,)
+    got = _steps(tx, stacked, lambda i: grads[i], n=5)[-1]
+    one_norm = _steps(optax_gwt.gwt_adamw(1e-2, **kw), stacked, lambda i: grads[i], n=5)[-1]
+    assert not np.allclose(np.asarray(got["w"]), np.asarray(one_norm["w"]), rtol=1e-6)  # the limiter acted
+    for layer in range(layers):
+        alone = {"w": stacked["w"][:, layer], "b": stacked["b"]}
+        want = _steps(
+            optax_gwt.gwt_adamw(1e-2, **kw), alone, lambda i, j=layer: {"w": grads[i]["w"][:, j], "b": grads[i]["b"]},
+            n=5,
+        )[-1]  # fmt: skip
+        np.testing.assert_allclose(np.asarray(got["w"][:, layer]), np.asarray(want["w"]), rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize("platform", ["cpu", "cuda", "tpu"])
 def test_vmapped_over_layers_equals_the_matrices_one_by_one(platform):
     """``jax.vmap`` of the update over stacked layers (as the planner's ``over_layers``): in float32,
@@ -182,7 +214,7 @@ def test_batch_axes_errors_and_selection():
     specs, _ = optax_gwt.WaveletProjection(level=1, batch_axes=1).leaf_specs(params)
     assert specs[0] is None and specs[1] is None  # "b": rank 1; "v": one axis besides its batch axis
     assert specs[2].axis == 1 and specs[2].approx_shape == (2, 4, 4) and specs[2].batch_shape == (2,)
-    with pytest.raises(ValueError, match=r"\['w'\]: batch_axes 1 must be an int that leaves the transform axis 0"):
+    with pytest.raises(ValueError, match=r"\['w'\]: batch_axes \(0,\) must leave the transform axis 0"):
         optax_gwt.WaveletProjection(level=1, axis={"w": 0, "v": None, "b": None}, batch_axes=1).leaf_specs(params)
     proj = optax_gwt.WaveletProjection(level=1, batch_axes=1)
     tx = optax.chain(
