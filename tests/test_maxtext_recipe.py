@@ -34,7 +34,8 @@ def test_each_layer_is_a_matrix_of_its_own(env):
         assert any(x.shape == (3,) for x in jax.tree.leaves(state))  # one limiter norm per layer
     for layer in range(3):
         alone = layer_matrices(1e-2, ADAM, scan_axis=None, env=env)
-        want, _ = _steps(alone, {"kernel": params["kernel"][:, layer]}, [{"kernel": g["kernel"][:, layer]} for g in grads])
+        one = [{"kernel": g["kernel"][:, layer]} for g in grads]
+        want, _ = _steps(alone, {"kernel": params["kernel"][:, layer]}, one)
         np.testing.assert_allclose(got["kernel"][:, layer], want["kernel"], rtol=2e-5, atol=1e-7)
 
 
