@@ -49,6 +49,12 @@ def test_the_gpu_study_runs_small_on_the_cpu(tmp_path):
     assert all(f"| {name} |" in report for name in config["optimizers"])
 
 
+def test_plot_styles_tell_every_optimizer_apart():
+    names = [f"opt-{i}" for i in range(25)]
+    styles = sweep.plot_styles(names)
+    assert len({(s["color"], s["marker"]) for s in styles.values()}) == len(names)
+
+
 def test_expand_axes_overrides_and_token_budget():
     config = {
         "grid": {"seed": [0, 1], "seq_len": [64, 128], "steps": [10]},

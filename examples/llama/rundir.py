@@ -163,7 +163,10 @@ def save_line_plot(path: str, lines: Iterable[Line], xlabel: str, ylabel: str, t
     if title:
         ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if len(ax.lines) > 6:  # many curves: the legend beside the axes, not over them
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    else:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

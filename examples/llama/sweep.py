@@ -474,18 +474,32 @@ def plot_task(task: str, names: dict, out_dir: str) -> dict:
     curves = {n: _curve(b["runs"]) for n, b in names.items()}
     speed = {n: np.mean([r["tokens_per_s"] or np.nan for r in b["runs"]]) for n, b in names.items()}
     paths = {k: os.path.join(out_dir, f"{_slug(task)}-{k}.png") for k in ("steps", "time", "memory")}
-    rundir.save_line_plot(paths["steps"], [(n, c[0], c[2], {"marker": "o", "ms": 3}) for n, c in curves.items()],
+    style = plot_styles(names)
+    rundir.save_line_plot(paths["steps"], [(n, c[0], c[2], style[n]) for n, c in curves.items()],
                           "step", "validation loss (mean over seeds)", task)  # fmt: skip
-    rundir.save_line_plot(paths["time"], [(n, np.array(c[1]) / speed[n], c[2], {"marker": "o", "ms": 3})
-                                          for n, c in curves.items()],
+    rundir.save_line_plot(paths["time"], [(n, np.array(c[1]) / speed[n], c[2], style[n]) for n, c in curves.items()],
                           "training time (s, compilation and evaluation excluded)", "validation loss",
                           task)  # fmt: skip
-    _memory_plot(paths["memory"], names, task)
+    _memory_plot(paths["memory"], names, task, style)
     return paths
 
 
-def _memory_plot(path: str, names: dict, title: str) -> None:
-    """Best mean final loss (with its spread) against the matrices' optimizer-state MiB."""
+def plot_styles(names: Iterable[str]) -> dict[str, dict]:
+    """A colour, marker and line style per optimizer, no two alike (ten colours; past ten, the
+    next marker with dashed lines, then dotted)."""
+    from matplotlib import colormaps
+
+    colours, markers, lines = colormaps["tab10"].colors, "os^Dv", ["-", "--", ":", "-.", "-"]
+    styles = {}
+    for i, name in enumerate(sorted(names)):
+        cycle = i // len(colours) % len(markers)
+        styles[name] = {"color": colours[i % len(colours)], "marker": markers[cycle], "ls": lines[cycle], "ms": 4}
+    return styles
+
+
+def _memory_plot(path: str, names: dict, title: str, style: dict[str, dict]) -> None:
+    """Best mean final loss (with its spread) against the matrices' optimizer-state MiB; a legend,
+    not labels beside the points, since optimizers of equal state share an x."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4.5))
@@ -493,12 +507,13 @@ def _memory_plot(path: str, names: dict, title: str) -> None:
     for name, b in names.items():
         x = b["runs"][0]["matrix_state_bytes"] / 2**20
         if math.isfinite(b["mean"]):
-            ax.errorbar([x], [b["mean"]], yerr=[b["std"]], fmt="o", capsize=3)
-            ax.annotate(name, (x, b["mean"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+            s = style[name]
+            ax.errorbar([x], [b["mean"]], yerr=[b["std"]], fmt=s["marker"], color=s["color"], capsize=3, label=name)
     ax.set_xlabel("optimizer state of the attention/MLP matrices (MiB)")
     ax.set_ylabel("best validation loss (mean ± std over seeds)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
