@@ -195,7 +195,9 @@ def test_readme_links_into_every_docs_section():
 # The README's headline table is the default study's.
 # ---------------------------------------------------------------------------
 
-STUDY_REPORT = os.path.join(REPO, "results", "study", "default-report", "report.md")
+#: The studies the README's headline table quotes: the default study, and the eighth-state study
+#: run on the same task (an optimizer's row is taken from the first report that has it).
+STUDY_REPORTS = [os.path.join(REPO, "results", "study", f"{n}-report", "report.md") for n in ("default", "eighth")]
 
 
 def _rows(text: str) -> list[list[str]]:
@@ -208,7 +210,7 @@ def test_headline_table_is_the_default_study():
     text = read(README)
     table = text.split("<!-- headline-table:start -->", 1)[1].split("<!-- headline-table:end -->", 1)[0]
     header, _, *rows = _rows(table)
-    report = {row[0]: row for row in _rows(read(STUDY_REPORT))}
+    report = {row[0]: row for path in reversed(STUDY_REPORTS) for row in _rows(read(path))}
     column = {name: header.index(name) for name in header}
     assert len(rows) >= 4
     for row in rows:
