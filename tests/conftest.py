@@ -31,8 +31,11 @@ def x64():
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """The quick subset (``-m "not slow"``) runs the first case of each parametrized
+    """The tests marked ``long`` go first: pytest-xdist then starts them on its workers while
+    the short ones fill the time around them, instead of leaving one worker to finish them
+    alone. The quick subset (``-m "not slow"``) runs the first case of each parametrized
     test; the other cases count as slow, so every test function still runs once."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: the rest keep their order
     seen = set()
     for item in items:
         if not hasattr(item, "callspec"):

@@ -197,6 +197,7 @@ def _run_two_processes(args, devices_each):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_eight_device_checks():
     """tests/multidevice_checks.py with 8 simulated devices: sharded == single device, no gathers, bytes/device."""
     _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "multidevice_checks.py")], devices=8)
@@ -224,6 +225,7 @@ def _assert_same_run(run, reference):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_two_processes_then_orbax_across_meshes(tmp_path, uninterrupted):
     """jax.distributed on localhost (2 processes x 4 CPU devices, gloo) trains 3 steps on data=2 x fsdp=4
     like one process and saves an Orbax checkpoint; one device resumes it to step 6 and saves; 8 devices
@@ -272,6 +274,7 @@ def test_two_processes_then_orbax_across_meshes(tmp_path, uninterrupted):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_llama_example_with_mesh_and_two_processes(tmp_path):
     """examples.llama.train: the mesh data=2,fsdp=4 over two processes (jax.distributed, 4 devices each)
     logs the losses of the same run on one device (in this process), to float32 summation order."""
