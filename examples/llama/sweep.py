@@ -489,7 +489,8 @@ def plot_styles(names: Iterable[str]) -> dict[str, dict]:
     next marker with dashed lines, then dotted)."""
     from matplotlib import colormaps
 
-    colours, markers, lines = colormaps["tab10"].colors, "os^Dv", ["-", "--", ":", "-.", "-"]
+    tab10 = colormaps["tab10"]
+    colours, markers, lines = [tab10(i) for i in range(10)], "os^Dv", ["-", "--", ":", "-.", "-"]
     styles = {}
     for i, name in enumerate(sorted(names)):
         cycle = i // len(colours) % len(markers)
