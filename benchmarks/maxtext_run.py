@@ -141,11 +141,12 @@ def run(workdir: Path, optimizer: str, steps: int, learning_rate: float, env: di
             f"steps={steps}", "hardware=cpu", "per_device_batch_size=4", "enable_checkpointing=false",
             "skip_jax_distributed_system=true", f"learning_rate={learning_rate}", *MODEL]  # fmt: skip
     code = f"import sys; from benchmarks import maxtext_run; maxtext_run.train(sys.argv[1:], {optimizer!r})"
-    full_env = {**os.environ, "JAX_PLATFORMS": "cpu", **env}
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("GWT_")}  # each run's own settings only
+    full_env = {**inherited, "JAX_PLATFORMS": "cpu", **env}
     done = subprocess.run([sys.executable, "-c", code, "_", *args], capture_output=True, text=True, env=full_env)
     out = done.stdout + done.stderr
     if done.returncode != 0:
-        raise RuntimeError(f"MaxText ({optimizer}) failed:\n{out[-4000:]}")
+        raise RuntimeError(f"MaxText ({name}) failed:\n{out[-4000:]}")
     losses = {int(s): float(v) for s, v in re.findall(r"completed step: (\d+),.*? loss: ([0-9.]+)", out)}
     state = json.loads(out[out.index("OPTAX_GWT_STATE ") + 16 :].splitlines()[0])
     return {"losses": losses, **state}

@@ -142,7 +142,8 @@ class WaveletProjection:
       batch_axes: how many leading axes of an array are a batch of matrices
         (stacked, scanned layers: ``(layers, in, out)`` has 1): an int for
         every array, a pytree prefix of ints, or a function ``(path, array) ->
-        int | tuple``; a tuple names the batch axes where they are not all
+        int | tuple``; a tuple, which only a function may give (a tuple passed
+        directly is a pytree prefix), names the batch axes where they are not all
         leading (MaxText's ``(embed, layers, mlp)`` has ``(1,)``). An int `axis`
         then counts among each matrix's own axes (axis 0 of ``(layers, in,
         out)`` is ``in``), an array is selected when it has two axes besides its
@@ -229,8 +230,8 @@ class WaveletProjection:
         axis = int(axis) % leaf.ndim
         if axis in batch or leaf.ndim - len(batch) < 2:
             raise ValueError(
-                f"{name}: batch_axes {batch!r} must leave the transform axis {axis} and another axis "
-                f"among the matrix's own axes (shape {tuple(leaf.shape)})"
+                f"{name}: the batch axes {batch!r} (from batch_axes) must leave the transform axis {axis} "
+                f"and another axis among the matrix's own axes (shape {tuple(leaf.shape)})"
             )
         n = int(leaf.shape[axis])
         if self.min_dim_size is not None and n < self.min_dim_size:
@@ -265,8 +266,8 @@ class WaveletProjection:
                 axes.append(None)  # not a matrix besides its batch axes
             elif -len(own) <= self.axis < len(own):
                 axes.append(own[self.axis])
-            else:  # out of range: the error names it
-                axes.append(len(batch) + self.axis if self.axis >= 0 else self.axis)
+            else:  # out of range among the own axes: kept out of range, so that the error names it
+                axes.append(len(batch) + self.axis if self.axis >= 0 else self.axis - len(batch))
         return axes
 
     def _mask(self, tree, treedef) -> list:

@@ -493,7 +493,7 @@ def _limit_inputs(x: WaveletCoefficients, p: jax.Array, dt: Any) -> tuple[jax.Ar
     _require(
         jnp.shape(p) == x.spec.batch_shape,
         "limit_norm_growth",
-        f"{x.spec.path} has {b} batch axes: build limit_norm_growth(gamma, projection) with the projection",
+        f"{x.spec.path} has {len(b)} batch axes {b}: build limit_norm_growth(gamma, projection) with the projection",
     )
     ones = jnp.ones(sq.shape, dt)
     assert x.step_scale is not None  # limit_norm_growth checked it

@@ -214,7 +214,8 @@ def test_batch_axes_errors_and_selection():
     specs, _ = optax_gwt.WaveletProjection(level=1, batch_axes=1).leaf_specs(params)
     assert specs[0] is None and specs[1] is None  # "b": rank 1; "v": one axis besides its batch axis
     assert specs[2].axis == 1 and specs[2].approx_shape == (2, 4, 4) and specs[2].batch_shape == (2,)
-    with pytest.raises(ValueError, match=r"\['w'\]: batch_axes \(0,\) must leave the transform axis 0"):
+    message = r"\['w'\]: the batch axes \(0,\) \(from batch_axes\) must leave the transform axis 0"
+    with pytest.raises(ValueError, match=message):
         optax_gwt.WaveletProjection(level=1, axis={"w": 0, "v": None, "b": None}, batch_axes=1).leaf_specs(params)
     proj = optax_gwt.WaveletProjection(level=1, batch_axes=1)
     tx = optax.chain(
