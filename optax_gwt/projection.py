@@ -490,10 +490,9 @@ def _broadcasts(weight: jax.Array, axis: int) -> bool:
     return jnp.ndim(weight) == 0 or weight.shape[axis] == 1
 
 
-def matrix_sq_norms(x: jax.Array, batch_axes: int | tuple[int, ...]) -> jax.Array:
-    """Each matrix's squared norm: ``x^2`` summed over all but the batch axes (the first
-    `batch_axes`, or those named), kept with length 1 so that the result broadcasts against `x`,
-    in float32 at least."""
-    dims = tuple(range(batch_axes)) if isinstance(batch_axes, int) else batch_axes
+def matrix_sq_norms(x: jax.Array, batch_dims: tuple[int, ...]) -> jax.Array:
+    """Each matrix's squared norm: ``x^2`` summed over all but the batch axes `batch_dims`
+    (`LeafSpec.batch_dims`), kept with length 1 so that the result broadcasts against `x`, in
+    float32 at least."""
     x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    return jnp.sum(jnp.square(x), axis=tuple(d for d in range(x.ndim) if d not in dims), keepdims=True)
+    return jnp.sum(jnp.square(x), axis=tuple(d for d in range(x.ndim) if d not in batch_dims), keepdims=True)
