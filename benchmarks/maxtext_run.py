@@ -25,6 +25,7 @@ import os
 import re
 import subprocess
 import sys
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -130,16 +131,20 @@ def train(argv: list[str], optimizer: str) -> None:
     app.run(maxtext_train.main, argv=argv)  # as MaxText's own entry point (absl's flags and logging)
 
 
-def run(workdir: Path, optimizer: str, steps: int, learning_rate: float, env: dict[str, str]) -> dict:
-    """One MaxText run in a subprocess (`env`: GWT's settings): its losses by step and the kernels'
-    state bytes."""
+def run(workdir: Path, optimizer: str, steps: int, learning_rate: float, env: dict[str, str], **overrides: Any) -> dict:
+    """One MaxText run in a subprocess (`env`: GWT's settings; `overrides`: MaxText config keys
+    over this module's synthetic-data defaults): its training losses by step, its eval losses
+    (``eval_losses``, when it evaluates), each step's seconds and the kernels' state bytes."""
     import maxtext
 
     base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
-    name = "-".join([optimizer, *env.values()])
-    args = [base, f"run_name={name}", f"base_output_directory={workdir}", "dataset_type=synthetic",
-            f"steps={steps}", "hardware=cpu", "per_device_batch_size=4", "enable_checkpointing=false",
-            "skip_jax_distributed_system=true", f"learning_rate={learning_rate}", *MODEL]  # fmt: skip
+    tag = [f"{zlib.crc32(repr(overrides).encode()):08x}"] if overrides else []
+    name = "-".join([optimizer, *env.values(), f"lr{learning_rate:g}", *tag])
+    keys = {"run_name": name, "base_output_directory": workdir, "dataset_type": "synthetic", "steps": steps,
+            "hardware": "cpu", "per_device_batch_size": 4, "enable_checkpointing": "false",
+            "skip_jax_distributed_system": "true", "learning_rate": learning_rate,
+            **dict(kv.split("=", 1) for kv in MODEL), **overrides}  # fmt: skip
+    args = [base, *(f"{k}={v}" for k, v in keys.items())]
     code = f"import sys; from benchmarks import maxtext_run; maxtext_run.train(sys.argv[1:], {optimizer!r})"
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("GWT_")}  # each run's own settings only
     full_env = {**inherited, "JAX_PLATFORMS": "cpu", **env}
@@ -148,8 +153,10 @@ def run(workdir: Path, optimizer: str, steps: int, learning_rate: float, env: di
     if done.returncode != 0:
         raise RuntimeError(f"MaxText ({name}) failed:\n{out[-4000:]}")
     losses = {int(s): float(v) for s, v in re.findall(r"completed step: (\d+),.*? loss: ([0-9.]+)", out)}
+    evals = {int(s): float(v) for s, v in re.findall(r"Completed eval after train step (\d+).*?loss=([0-9.]+)", out)}
+    seconds = [float(v) for v in re.findall(r"completed step: \d+, seconds: ([0-9.]+)", out)]
     state = json.loads(out[out.index("OPTAX_GWT_STATE ") + 16 :].splitlines()[0])
-    return {"losses": losses, **state}
+    return {"losses": losses, **({"eval_losses": evals} if evals else {}), "step_seconds": seconds, **state}
 
 
 #: name: (MaxText's optimizer hook, GWT's settings, the table's column).

@@ -1,5 +1,8 @@
 """The MaxText recipe's optimizer (`benchmarks.maxtext_run.layer_matrices`), without MaxText:
-kernels laid out as MaxText scans them, ``(embed, layers, mlp)``."""
+kernels laid out as MaxText scans them, ``(embed, layers, mlp)``; and the text comparison's
+data and table (`benchmarks.maxtext_text`)."""
+
+import json
 
 import jax
 import jax.numpy as jnp
@@ -48,3 +51,36 @@ def test_the_default_bounds_the_details_and_none_is_the_papers():
     scale = 0.25
     assert float(jnp.abs(bounded["kernel"]).max()) <= scale * (optax_gwt.SAFE_DETAIL_CLIP + 1)
     assert float(jnp.abs(unbounded["kernel"]).max()) > 10 * scale * optax_gwt.SAFE_DETAIL_CLIP
+
+
+def test_the_text_comparison_writes_windows_of_the_corpus_split_by_file(tmp_path, monkeypatch):
+    """`benchmarks.maxtext_text.write_corpus`: training windows from the training files only,
+    validation windows from the validation files only, each `SEQ_LEN` bytes."""
+    from benchmarks import maxtext_text
+    from examples.llama import data
+
+    for i in range(40):  # a small corpus of distinct files, so that both splits are found
+        (tmp_path / f"m{i}.py").write_text("".join(f"value_{i}_{j} = {j * i}\n" for j in range(60)))
+    monkeypatch.setattr(data, "list_files", lambda source: (str(tmp_path), sorted(map(str, tmp_path.glob("*.py")))))
+    out = tmp_path / "out"
+    out.mkdir()
+    maxtext_text.write_corpus(out, windows=50, eval_windows=8)
+    split = data.split_files(str(tmp_path), sorted(map(str, tmp_path.glob("*.py"))), 0.05)
+    for name, count in (("train", 50), ("validation", 8)):
+        text = "".join(data.read_text(f) for f in split[name])
+        windows = [json.loads(line)["text"] for line in (out / f"{name}.jsonl").read_text().splitlines()]
+        assert len(windows) == count
+        assert all(len(w.encode()) == maxtext_text.SEQ_LEN and w in text for w in windows)
+
+
+def test_the_text_comparison_table_names_each_optimizers_best_and_spread():
+    from benchmarks import maxtext_text
+
+    def run(curve):
+        return {"eval_losses": curve, "layer_kernels_bytes": 100}
+
+    one = {"lrs": {0.01: 2.0, 0.03: 1.5}, "best_lr": 0.03, "finals": [1.5, 1.6, 1.7], "curve": run({0: 5.0, 300: 1.5})}
+    r = {name: one for name in maxtext_text.OPTIMIZERS}
+    table = maxtext_text.markdown(r)
+    assert "| 0.03 | 1.600 ± 0.100 | 1.000x |" in table
+    assert "| 300 | 1.500 | 1.500 | 1.500 |" in table
