@@ -391,6 +391,8 @@ RESULT_BLOCKS = [
      "results/numerics/constant_gradient", "results/numerics/constant_gradient.md"),
     ("guides/levanter.md", "maxtext-run", "python -m benchmarks.maxtext_run --steps 40 --out results/maxtext/run",
      "results/maxtext/run.md"),
+    ("guides/levanter.md", "maxtext-text", "python -m benchmarks.maxtext_text --out results/maxtext/text",
+     "results/maxtext/text.md"),
     (PERF, "targets-table", "python -m benchmarks.target_compile --out results/targets/update",
      "results/targets/update.md"),
     (PERF, "targets-1b", "python -m benchmarks.target_compile --model 1b --layers 1 --optimizers gwt1 gwt2 "
