@@ -12,9 +12,12 @@ GPU = os.path.join(STUDIES, "gpu60m.toml")
 
 
 def _small(config: dict) -> dict:
-    """`config` with its optimizers and settings, on a tiny model for two steps (the first, which
-    compiles, is not timed), one evaluation."""
+    """`config` with its optimizers and settings, each at its first learning rate, on a tiny
+    model for two steps (the first, which compiles, is not timed), one evaluation."""
     config["grid"].update(seq_len=[16], steps=[2])
+    for settings in config["optimizers"].values():
+        if isinstance(settings.get("lr"), list):
+            settings["lr"] = settings["lr"][:1]
     config["train"].update(model=["num_layers=1", "hidden_size=32", "intermediate_size=64", "num_heads=2"],
                            batch_size=2, eval_every=2, eval_batches=1)  # fmt: skip
     return config
