@@ -24,13 +24,14 @@ from typing import Any
 
 import numpy as np
 
+import optax_gwt
 from benchmarks import maxtext_run, write_results
 from examples.llama import data
 
 #: optimizer: (MaxText's optimizer hook, GWT's settings, learning rates tried, the table's name).
 OPTIMIZERS: dict[str, tuple[str, dict[str, str], list[float], str]] = {
     "adamw": ("adamw", {}, [3e-3, 1e-2, 3e-2], "MaxText adamw"),
-    "gwt-2": ("gwt", {}, [1e-2, 3e-2, 1e-1], "GWT-2, recipe default (detail clip 10)"),
+    "gwt-2": ("gwt", {}, [1e-2, 3e-2, 1e-1], f"GWT-2, recipe default (detail clip {optax_gwt.SAFE_DETAIL_CLIP:g})"),
     "foam-2": ("gwt", {"GWT_RECIPE": "foam"}, [1e-2, 3e-2, 1e-1], "FOAM-2"),
 }
 SEQ_LEN, BATCH, EVAL_STEPS = 128, 16, 8
