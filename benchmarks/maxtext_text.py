@@ -131,8 +131,9 @@ def _int_keys(run: dict) -> dict:
 
 
 def markdown(r: dict) -> str:
+    seeds = len(r["adamw"]["finals"])
     lines = ["| optimizer | learning rates tried (seed 0's final validation loss) | best lr "
-             "| validation loss (3 seeds) | layers' kernels' state |", "|---|---|---|---|---|"]  # fmt: skip
+             f"| validation loss ({seeds} seeds) | layers' kernels' state |", "|---|---|---|---|---|"]  # fmt: skip
     adamw_bytes = r["adamw"]["curve"]["layer_kernels_bytes"]
     for name, (_, _, _, title) in OPTIMIZERS.items():
         o = r[name]
