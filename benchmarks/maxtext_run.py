@@ -182,11 +182,17 @@ def markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
+def require_maxtext(command: str) -> dict[str, str]:
+    """The versions of MaxText, JAX and Optax, or exit naming what `command` needs."""
     try:
         import maxtext
     except ImportError:
-        sys.exit("benchmarks.maxtext_run needs MaxText: pip install 'maxtext[tpu]' (Python >= 3.12)")
+        sys.exit(f"{command} needs MaxText: pip install 'maxtext[tpu]' (Python >= 3.12)")
+    return {"maxtext": maxtext.__version__, "jax": jax.__version__, "optax": optax.__version__}
+
+
+def main(argv=None) -> None:
+    versions = require_maxtext("benchmarks.maxtext_run")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="results/maxtext/run")
     p.add_argument("--workdir", default="runs/maxtext")
@@ -197,7 +203,7 @@ def main(argv=None) -> None:
     r: dict[str, Any] = {"steps": args.steps, "learning_rate": args.learning_rate, "model": MODEL}
     for name, (optimizer, env, _) in RUNS.items():
         r[name] = run(workdir, optimizer, args.steps, args.learning_rate, env)
-    r["versions"] = {"maxtext": maxtext.__version__, "jax": jax.__version__, "optax": optax.__version__}
+    r["versions"] = versions
     write_results(args.out, r, markdown(r))
     print(markdown(r))
 

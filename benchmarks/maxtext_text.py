@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -152,10 +151,7 @@ def markdown(r: dict) -> str:
 
 
 def main(argv=None) -> None:
-    try:
-        import maxtext
-    except ImportError:
-        sys.exit("benchmarks.maxtext_text needs MaxText: pip install 'maxtext[tpu]' (Python >= 3.12)")
+    versions = maxtext_run.require_maxtext("benchmarks.maxtext_text")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="results/maxtext/text")
     p.add_argument("--workdir", default="runs/maxtext-text")
@@ -164,7 +160,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     r: dict[str, Any] = {"steps": args.steps, "seq_len": SEQ_LEN, "batch": BATCH, "model": maxtext_run.MODEL}
     r.update(study(Path(args.workdir).resolve(), args.steps, args.seeds))
-    r["versions"] = {"maxtext": maxtext.__version__}
+    r["versions"] = versions
     write_results(args.out, r, markdown(r))
     print(markdown(r))
 
