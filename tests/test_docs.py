@@ -410,6 +410,9 @@ RESULT_BLOCKS = [
     (PERF, "targets-fsdp", "python -m benchmarks.target_compile --model 7b --fsdp 64 --optimizers gwt2 "
      "gwt2-delayed gwt2-nolimit adamw-stacked gwt2-stacked gwt2-stacked-delayed --out results/targets/update-7b-fsdp64",
      "results/targets/update-7b-fsdp64.md"),
+    (PERF, "targets-train-fsdp", "python -m benchmarks.target_compile --model 7b --fsdp 64 --step train "
+     "--optimizers adamw-stacked gwt2-stacked --out results/targets/train-7b-fsdp64",
+     "results/targets/train-7b-fsdp64.md"),
     ("guides/planning.md", "plan-target", "results/plan/targets/h100-7b.md", "results/plan/targets/h100-7b.md"),
     ("guides/planning.md", "plan-target-v5e", "results/plan/targets/v5e-1b.md", "results/plan/targets/v5e-1b.md"),
 ]  # fmt: skip
