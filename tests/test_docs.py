@@ -415,6 +415,8 @@ RESULT_BLOCKS = [
      "results/targets/train-7b-fsdp64.md"),
     ("guides/planning.md", "plan-target", "results/plan/targets/h100-7b.md", "results/plan/targets/h100-7b.md"),
     ("guides/planning.md", "plan-target-v5e", "results/plan/targets/v5e-1b.md", "results/plan/targets/v5e-1b.md"),
+    ("guides/planning.md", "plan-target-v5e-64", "results/plan/targets/v5e-7b-fsdp64.md",
+     "results/plan/targets/v5e-7b-fsdp64.md"),
 ]  # fmt: skip
 
 
